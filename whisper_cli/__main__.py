@@ -1,0 +1,3 @@
+from whisper_cli.cli import main
+
+main()

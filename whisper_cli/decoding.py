@@ -1,0 +1,244 @@
+"""Batched greedy decoding of 30 s windows over the static KV cache.
+
+The loop keeps every tensor shape fixed from step to step, so that the one-token
+decode step can be compiled once and replayed (CUDA graphs). The logit rules
+(suppressed tokens, timestamp rules) are vectorised over the batch and run on the
+device; the host reads the device only to check whether every row has finished,
+every `sync_every` steps. On the eager CPU path the batch may shrink as rows finish
+(no work spent on finished rows); the compiled path keeps its fixed batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from whisper_cli.dtypes import encoder_input, f32_log_softmax
+from whisper_cli.loading import LoadedModel
+
+StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    task: str = "transcribe"
+    timestamps: bool = True
+    max_new_tokens: int = 224  # half the text context, as openai-whisper does
+    prompt_tokens: tuple[int, ...] = ()  # previous-text conditioning (initial prompt)
+    max_initial_timestamp: float = 1.0  # seconds
+    sync_every: int = 1  # host reads of the "all finished" flag
+    shrink_batch: bool = True  # eager path: drop finished rows from the batch
+
+
+@dataclass(frozen=True)
+class DecodedRow:
+    """What one window decoded to."""
+
+    tokens: tuple[int, ...]  # sampled tokens, end-of-text excluded
+    avg_logprob: float
+    no_speech_prob: float
+    language: str | None
+
+
+@dataclass(frozen=True)
+class LanguageGuess:
+    code: str
+    probability: float
+
+
+class GreedyDecoder:
+    """Encodes a batch of log-mels and decodes each row greedily."""
+
+    def __init__(
+        self, loaded: LoadedModel, options: DecodeOptions, step: StepFn | None = None
+    ) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.options = options
+        self.step: StepFn = step or self.model.decoder
+        self.special = loaded.tokenizer.special
+        cfg = loaded.config
+        device = self.model.device
+        prompt_len = len(loaded.tokenizer.prompt("en", options.task, options.timestamps))
+        prompt_len += len(options.prompt_tokens) + (1 if options.prompt_tokens else 0)
+        self.prompt_len = prompt_len
+        self.max_new = min(options.max_new_tokens, cfg.max_target_positions - prompt_len)
+        self.cache_len = prompt_len + self.max_new
+        vocab = torch.arange(cfg.vocab_size, device=device)
+        self.vocab = vocab
+        gen = loaded.generation
+        self.suppress = self._mask(gen.suppress_tokens)  # (V,) bool
+        self.begin_suppress = self._mask(gen.begin_suppress_tokens) | self.suppress
+        ts_begin = self.special.timestamp_begin
+        if options.timestamps:
+            self.suppress[self.special.no_timestamps] = True
+            self.begin_suppress[self.special.no_timestamps] = True
+            # First token: a timestamp no later than max_initial_timestamp.
+            last_initial = ts_begin + round(options.max_initial_timestamp / 0.02)
+            self.begin_suppress |= (vocab < ts_begin) | (vocab > last_initial)
+        self._batch = -1
+
+    def _mask(self, ids: tuple[int, ...]) -> torch.Tensor:
+        mask = torch.zeros_like(self.vocab, dtype=torch.bool)
+        valid = [i for i in ids if 0 <= i < mask.shape[0]]
+        mask[valid] = True
+        return mask
+
+    # -- encoder and caches -------------------------------------------------------
+
+    def encode(self, mel: torch.Tensor) -> torch.Tensor:
+        """(B, n_mels, 3000) float32 log-mel -> (B, S, C) encoder output in the model dtype."""
+        return self.model.encoder(encoder_input(mel, self.model.dtype))
+
+    def _prepare(self, audio_features: torch.Tensor) -> None:
+        b, s, _ = audio_features.shape
+        caches = self.model.decoder.caches()
+        if b != self._batch or len(caches) == 0 or caches[0].k.shape[0] != b:
+            self.model.decoder.setup_caches(b, self.cache_len, s)
+            self._batch = b
+        self.model.decoder.fill_cross_caches(audio_features)
+
+    # -- language detection ---------------------------------------------------------
+
+    @torch.inference_mode()
+    def detect_language(self, audio_features: torch.Tensor) -> list[LanguageGuess]:
+        """Most likely language of each row, from the logits after <|startoftranscript|>."""
+        tokenizer = self.loaded.tokenizer
+        self._prepare(audio_features)
+        b = audio_features.shape[0]
+        device = audio_features.device
+        tokens = torch.full((b, 1), self.special.sot, dtype=torch.long, device=device)
+        logits = self.model.decoder(tokens, torch.zeros(1, dtype=torch.long, device=device))
+        codes = list(tokenizer.language_ids)
+        ids = torch.tensor([tokenizer.language_ids[c] for c in codes], device=device)
+        probs = f32_log_softmax(logits[:, 0, ids]).exp()  # over language tokens only
+        best = probs.argmax(dim=-1).tolist()
+        return [LanguageGuess(codes[i], float(probs[r, i])) for r, i in enumerate(best)]
+
+    # -- greedy decode ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, audio_features: torch.Tensor, languages: list[str | None]) -> list[DecodedRow]:
+        """Greedy-decode every row of a batch of encoder outputs, (B, S, C)."""
+        b = audio_features.shape[0]
+        device = audio_features.device
+        self._prepare(audio_features)
+        tokenizer = self.loaded.tokenizer
+        prompts = [
+            tokenizer.prompt(
+                lang, self.options.task, self.options.timestamps, self.options.prompt_tokens
+            )
+            for lang in languages
+        ]
+        tokens = torch.tensor(prompts, dtype=torch.long, device=device)  # (B, T0)
+        sot_index = prompts[0].index(self.special.sot)
+        t0 = tokens.shape[1]
+        logits = self.model.decoder(tokens, torch.arange(t0, device=device))  # (B, T0, V)
+        no_speech = f32_log_softmax(logits[:, sot_index])[:, self.special.no_speech].exp()
+        logits = logits[:, -1]  # (B, V)
+
+        out = torch.full((b, self.max_new), self.special.eot, dtype=torch.long, device=device)
+        state = _RowState.start(b, device)
+        rows = torch.arange(b, device=device)  # global row of each active row
+        sum_logprob = torch.zeros(b, dtype=torch.float32, device=device)
+        positions = torch.arange(t0, self.cache_len, device=device)
+        for i in range(self.max_new):
+            logits = self._apply_rules(logits, state, i)
+            logprobs = f32_log_softmax(logits)
+            next_tokens = logits.argmax(dim=-1)
+            next_tokens = torch.where(state.finished, self.special.eot, next_tokens)
+            chosen = logprobs.gather(1, next_tokens[:, None])[:, 0]
+            state.sum_logprob += torch.where(state.finished, 0.0, chosen)
+            state.advance(next_tokens, self.special.timestamp_begin)
+            state.finished |= next_tokens == self.special.eot
+            out[rows, i] = next_tokens
+            if i + 1 == self.max_new:
+                break
+            if (i + 1) % self.options.sync_every == 0:
+                n_active = int((~state.finished).sum())
+                if n_active == 0:
+                    break
+                # Eager path: drop finished rows once they are a quarter of the batch.
+                if self.options.shrink_batch and n_active <= 0.75 * len(rows):
+                    keep = (~state.finished).nonzero()[:, 0]
+                    sum_logprob[rows] = state.sum_logprob  # keep the dropped rows' sums
+                    rows, next_tokens = rows[keep], next_tokens[keep]
+                    state = state.select(keep)
+                    self.model.decoder.keep_rows(keep)
+                    self._batch = -1  # caches no longer have the full batch
+            logits = self.step(next_tokens[:, None], positions[i : i + 1])[:, -1]
+
+        sum_logprob[rows] = state.sum_logprob
+        results = []
+        for r, (seq, total) in enumerate(zip(out.tolist(), sum_logprob.tolist(), strict=True)):
+            n = seq.index(self.special.eot) if self.special.eot in seq else len(seq)
+            results.append(
+                DecodedRow(
+                    tokens=tuple(seq[:n]),
+                    avg_logprob=total / (n + 1),  # as openai-whisper: end-of-text counts
+                    no_speech_prob=float(no_speech[r]),
+                    language=languages[r],
+                )
+            )
+        return results
+
+    def _apply_rules(self, logits: torch.Tensor, state: _RowState, i: int) -> torch.Tensor:
+        """Suppressed tokens and the timestamp rules, as a (rows, V) mask on the device."""
+        mask = (self.begin_suppress if i == 0 else self.suppress)[None, :]
+        if self.options.timestamps and i > 0:
+            ts_begin, eot = self.special.timestamp_begin, self.special.eot
+            is_ts = self.vocab >= ts_begin  # (V,)
+            last_ts = state.last >= ts_begin
+            penult_ts = state.penult >= ts_begin if i >= 2 else torch.ones_like(last_ts)
+            # Timestamps come in pairs: after a pair, text; after a lone one, a timestamp/eot.
+            pair_closed = (last_ts & penult_ts)[:, None] & is_ts
+            need_ts = (last_ts & ~penult_ts)[:, None] & (self.vocab < eot)
+            # Timestamps never decrease, and a segment has a non-zero length.
+            floor = torch.where(last_ts & ~penult_ts, state.max_ts, state.max_ts + 1)
+            too_early = is_ts & (self.vocab < floor[:, None])
+            mask = mask | pair_closed | need_ts | too_early
+        logits = logits.masked_fill(mask, float("-inf"))
+        if self.options.timestamps:
+            # If the timestamps together are likelier than any text token, emit a timestamp.
+            logprobs = f32_log_softmax(logits)
+            ts_begin = self.special.timestamp_begin
+            ts_lp = logprobs[:, ts_begin:].logsumexp(dim=-1)
+            text_lp = logprobs[:, :ts_begin].amax(dim=-1)
+            logits = logits.masked_fill(
+                (ts_lp > text_lp)[:, None] & (self.vocab < ts_begin), float("-inf")
+            )
+        return logits
+
+
+@dataclass
+class _RowState:
+    """Per-row decoding state, all on the device: (rows,) tensors."""
+
+    last: torch.Tensor
+    penult: torch.Tensor
+    max_ts: torch.Tensor  # largest timestamp token so far, -1 if none
+    finished: torch.Tensor
+    sum_logprob: torch.Tensor
+
+    @classmethod
+    def start(cls, b: int, device: torch.device) -> _RowState:
+        minus_one = torch.full((b,), -1, dtype=torch.long, device=device)
+        return cls(
+            last=minus_one.clone(),
+            penult=minus_one.clone(),
+            max_ts=minus_one.clone(),
+            finished=torch.zeros(b, dtype=torch.bool, device=device),
+            sum_logprob=torch.zeros(b, dtype=torch.float32, device=device),
+        )
+
+    def advance(self, tokens: torch.Tensor, ts_begin: int) -> None:
+        self.penult = self.last
+        self.last = tokens
+        self.max_ts = torch.where(
+            tokens >= ts_begin, torch.maximum(self.max_ts, tokens), self.max_ts
+        )
+
+    def select(self, keep: torch.Tensor) -> _RowState:
+        return _RowState(*(t.index_select(0, keep) for t in vars(self).values()))

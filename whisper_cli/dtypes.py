@@ -1,0 +1,132 @@
+"""The dtype policy: the one module that chooses, checks and applies floating dtypes.
+
+`--dtype auto|f32|f16|bf16` resolves here to one torch dtype, and every floating
+tensor from the encoder input onward has it: weights, positional tables, the log-mel
+at the encoder's door, activations, both KV caches, logits and everything returned.
+
+Every cast in the library goes through a function of this module, so the places
+where a tensor changes dtype can be read in one screen:
+
+* `cast_weight`   - checkpoint tensors (f16/f32/bf16 on disk) to the run dtype, once at load.
+* `encoder_input` - the log-mel, computed in float32 (see F32_EXCEPTIONS), enters the
+                    encoder in the run dtype.
+* `f32_log_softmax` - the listed float32 exception for probabilities over logits.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from whisper_cli.errors import WhisperCliError
+
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "f32": torch.float32,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
+
+# The only places a float32 tensor may exist in a non-f32 run. Each is a small
+# side computation whose result never flows back into weights, caches or activations.
+F32_EXCEPTIONS: dict[str, str] = {
+    "audio front end": (
+        "STFT, mel filter bank and log compression run in float32 (torch has no "
+        "half-precision STFT on CPU); the log-mel is cast once by encoder_input()."
+    ),
+    "log-softmax over logits": (
+        "token log-probabilities (timestamp rule, average log-prob, no-speech and "
+        "language probabilities) are computed from the logits in float32 by "
+        "f32_log_softmax(); the logits themselves stay in the run dtype."
+    ),
+}
+
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    """The resolved dtype of a run and the device it runs on."""
+
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def name(self) -> str:
+        return dtype_name(self.dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPE_NAMES.items():
+        if value == dtype:
+            return name
+    raise WhisperCliError(f"unsupported dtype {dtype}")
+
+
+def resolve_policy(name: str, device: str | torch.device | None = None) -> DtypePolicy:
+    """Resolve a `--dtype` choice for a device, refusing what the device cannot run.
+
+    auto: bf16 on a CUDA device that supports it, f16 on an older CUDA device,
+    f32 on CPU. An explicit choice is never silently switched.
+    """
+    dev = resolve_device(device)
+    if name not in DTYPE_CHOICES:
+        raise WhisperCliError(f"invalid dtype {name!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    if name == "auto":
+        if dev.type == "cuda":
+            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        else:
+            dtype = torch.float32
+        return DtypePolicy(dtype, dev)
+    dtype = DTYPE_NAMES[name]
+    if dev.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        gpu = torch.cuda.get_device_name(dev)
+        raise WhisperCliError(
+            f"--dtype bf16 is not supported on {gpu} (needs compute capability 8.0 or newer); "
+            "use --dtype f16 or f32"
+        )
+    if dev.type == "cpu" and dtype == torch.float16:
+        warn_f16_on_cpu()
+    return DtypePolicy(dtype, dev)
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise WhisperCliError("--device cuda was asked for but no CUDA device is available")
+    return dev
+
+
+_warned_f16 = False
+
+
+def warn_f16_on_cpu() -> None:
+    """f16 matmuls on most CPUs run without native kernels: 10-100x slower than f32."""
+    global _warned_f16
+    if not _warned_f16:
+        _warned_f16 = True
+        warnings.warn(
+            "f16 on CPU is slow on CPUs without native float16 kernels; "
+            "prefer --dtype bf16 or f32 on CPU",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def cast_weight(tensor: torch.Tensor, policy: DtypePolicy) -> torch.Tensor:
+    """A checkpoint tensor as the model holds it: floating tensors take the run dtype."""
+    if tensor.is_floating_point():
+        return tensor.to(device=policy.device, dtype=policy.dtype)
+    return tensor.to(device=policy.device)
+
+
+def encoder_input(mel: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float32 log-mel (front-end exception) as the encoder takes it."""
+    return mel.to(dtype)
+
+
+def f32_log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities over the vocabulary in float32 (listed exception)."""
+    return torch.log_softmax(logits.float(), dim=-1)
