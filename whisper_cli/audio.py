@@ -1,0 +1,406 @@
+"""Audio front end: any input file (or stdin) to mono 16 kHz float32 blocks.
+
+Decoding goes through soundfile (libsndfile: wav, flac, ogg, mp3, ...) and falls back to
+PyAV (FFmpeg: m4a, aac, opus/webm, mp4, ...) only when libsndfile cannot open the input;
+PyAV is imported lazily because most inputs never need it.
+
+Everything streams: the input is read a few seconds at a time, mixed (or one channel
+picked), resampled with a *streaming* soxr resampler and re-cut into fixed-size blocks, so
+memory stays bounded however long the input is. ``open_audio`` validates the input before
+any real work and turns every problem into an ``InputError`` that names the file.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+import numpy as np
+import soundfile as sf
+import soxr
+
+from whisper_cli.errors import InputError, WhisperCliError
+
+if TYPE_CHECKING:  # PyAV is imported lazily at run time
+    import av
+
+SAMPLE_RATE = 16000
+MIN_DURATION = 0.1  # seconds; anything shorter cannot hold a word
+STDIN_PATH = "-"
+
+# Inputs are read this many seconds (at their own rate) at a time; it bounds memory for
+# any block size the caller asks for, and keeps the per-call Python overhead negligible.
+_READ_SECONDS = 5.0
+# Frames read from the start and end of a libsndfile input when validating it: seeking to
+# the end is cheap and is what exposes a truncated FLAC before any decoding work is done.
+_PROBE_FRAMES = 4096
+_CHANNEL_NAMES = {"left": 0, "right": 1}
+
+Opener = Callable[[], BinaryIO]
+
+
+@dataclass(frozen=True)
+class AudioInfo:
+    """What is known about an input before decoding it."""
+
+    path: str  # as the user named it ("-" for stdin)
+    duration: float | None  # seconds; None when the container does not say
+    sample_rate: int  # the input's own rate (blocks are always SAMPLE_RATE)
+    channels: int  # the input's own channel count (blocks are always mono)
+
+
+class _DecodeError(Exception):
+    """A decoder failed mid-stream; ``blocks`` turns it into an InputError."""
+
+
+class AudioSource:
+    """An opened, validated input. ``blocks`` may be called more than once."""
+
+    def __init__(self, info: AudioInfo, backend: str, opener: Opener, channel: int | None):
+        self.info = info
+        self.backend = backend  # "soundfile" or "av": which decoder reads this input
+        self._opener = opener
+        self._channel = channel  # None: mean of all channels
+
+    def __repr__(self) -> str:
+        return f"AudioSource({self.info!r}, backend={self.backend!r})"
+
+    def blocks(self, block_seconds: float = 30.0) -> Iterator[np.ndarray]:
+        """Yield the audio as float32 mono 16 kHz blocks of ``block_seconds`` (the last shorter).
+
+        Raises InputError if the input turns out to be corrupt part way through.
+        """
+        block_size = round(block_seconds * SAMPLE_RATE)
+        if block_size < 1:
+            raise ValueError(f"block_seconds must be positive, got {block_seconds}")
+        read_frames = max(1, round(_READ_SECONDS * self.info.sample_rate))
+        decode = _decode_soundfile if self.backend == "soundfile" else _decode_av
+        try:
+            native = decode(self._opener, read_frames)
+            mono = (_to_mono(block, self._channel) for block in native)
+            yield from _rechunk(_resample(mono, self.info.sample_rate), block_size)
+        except _DecodeError as e:
+            raise InputError(self.info.path, f"corrupt or truncated audio ({e})") from e
+        except OSError as e:  # the file changed or vanished since open_audio checked it
+            raise InputError(self.info.path, f"cannot be read ({e.strerror or e})") from e
+
+
+def open_audio(
+    path: str | Path, channel: str | int | None = None, stdin: BinaryIO | None = None
+) -> AudioSource:
+    """Open and validate one input; ``"-"`` reads stdin (``stdin``, or the process's own).
+
+    ``channel`` is None (mix all channels), ``"left"``, ``"right"`` or a 0-based index.
+    Raises InputError for anything wrong with the input, before any decoding work.
+    """
+    channel_index = _parse_channel(channel)
+    name = str(path)
+    opener = _stdin_opener(stdin) if name == STDIN_PATH else _file_opener(name)
+    info, backend = _probe(name, opener)
+    if channel_index is not None and channel_index >= info.channels:
+        raise InputError(name, _missing_channel(channel, info.channels))
+    return AudioSource(info, backend, opener, channel_index)
+
+
+def load_audio(path: str | Path, channel: str | int | None = None) -> np.ndarray:
+    """Decode a whole input to one float32 mono 16 kHz array (convenience; not streaming)."""
+    blocks = list(open_audio(path, channel).blocks())
+    return np.concatenate(blocks) if blocks else np.zeros(0, np.float32)
+
+
+# --- opening ---------------------------------------------------------------------------
+
+
+def _parse_channel(channel: str | int | None) -> int | None:
+    if channel is None:
+        return None
+    if isinstance(channel, str):
+        key = channel.strip().lower()
+        if key in _CHANNEL_NAMES:
+            return _CHANNEL_NAMES[key]
+        if key.isdigit():
+            return int(key)
+    elif isinstance(channel, int) and not isinstance(channel, bool) and channel >= 0:
+        return channel
+    raise WhisperCliError(f"invalid channel {channel!r}: use 'left', 'right' or a 0-based index")
+
+
+def _missing_channel(channel: str | int | None, channels: int) -> str:
+    named = isinstance(channel, str) and channel.strip().lower() in _CHANNEL_NAMES
+    what = f"{channel.strip().lower()} channel" if named else f"channel {channel}"
+    have = "mono audio" if channels == 1 else f"it has {channels} channels"
+    return f"has no {what} ({have})"
+
+
+def _stdin_opener(stdin: BinaryIO | None) -> Opener:
+    # Pipes cannot seek, and both decoders need to (headers at the end, probing), so the
+    # whole input is held in memory; that is the price of reading from a pipe.
+    stream = stdin if stdin is not None else sys.stdin.buffer
+    stream = getattr(stream, "buffer", stream)  # a text-mode stdin still has bytes below
+    try:
+        data = stream.read()
+    except OSError as e:
+        raise InputError(STDIN_PATH, f"cannot be read ({e.strerror or e})") from None
+    if not data:
+        raise InputError(STDIN_PATH, "contains no audio")
+    return lambda: io.BytesIO(data)
+
+
+def _file_opener(name: str) -> Opener:
+    if os.path.isdir(name):
+        raise InputError(name, "is a directory")
+    try:
+        f = open(name, "rb")  # noqa: SIM115 - closed below, or kept only to read a pipe
+    except FileNotFoundError:
+        raise InputError(name, "no such file") from None
+    except IsADirectoryError:
+        raise InputError(name, "is a directory") from None
+    except PermissionError:
+        raise InputError(name, "permission denied") from None
+    except OSError as e:
+        raise InputError(name, f"cannot be read ({e.strerror or e})") from None
+    with f:
+        if not f.seekable():  # a named pipe or /dev/stdin: read it once, like stdin
+            data = f.read()
+            if not data:
+                raise InputError(name, "contains no audio")
+            return lambda: io.BytesIO(data)
+        if os.fstat(f.fileno()).st_size == 0:
+            raise InputError(name, "contains no audio")
+    return lambda: open(name, "rb")
+
+
+@dataclass(frozen=True)
+class _Rejected:
+    """Why a decoder could not open an input."""
+
+    reason: str
+    recognised: bool  # the decoder knew the format, so the data must be damaged
+
+
+def _probe(name: str, opener: Opener) -> tuple[AudioInfo, str]:
+    """Find a decoder for the input and check it decodes; raise InputError if none does."""
+    first = _probe_soundfile(name, opener)
+    if isinstance(first, AudioInfo):
+        return first, "soundfile"
+    second = _probe_av(name, opener)
+    if isinstance(second, AudioInfo):
+        return second, "av"
+    # libsndfile knows its formats' headers well: when it recognised the format but could
+    # not read it (and FFmpeg could not either), the file is damaged, not something else.
+    for rejected in (first, second):
+        if rejected.recognised:
+            raise InputError(name, f"corrupt or truncated audio ({rejected.reason})")
+    raise InputError(name, f"not an audio file ({second.reason})")
+
+
+def _probe_soundfile(name: str, opener: Opener) -> AudioInfo | _Rejected:
+    with opener() as fobj:
+        try:
+            f = sf.SoundFile(fobj)
+        except sf.SoundFileError as e:
+            return _Rejected(*_soundfile_problem(e))
+        with f:
+            _check_length(name, f.frames, f.samplerate)
+            _check_head_and_tail(name, f)
+            return AudioInfo(name, f.frames / f.samplerate, f.samplerate, f.channels)
+
+
+def _check_head_and_tail(name: str, f: sf.SoundFile) -> None:
+    """Decode a little at both ends: cheap, and exposes a truncated or garbled file."""
+    n = min(f.frames, _PROBE_FRAMES)
+    try:
+        f.read(n, dtype="float32")
+    except sf.SoundFileError as e:
+        reason = _soundfile_problem(e)[0]
+        raise InputError(name, f"corrupt or truncated audio ({reason})") from None
+    # MP3 frame counts are estimates and its seeks are fuzzy, so its tail proves nothing.
+    if f.frames <= 2 * n or f.format == "MP3":
+        return
+    try:
+        f.seek(f.frames - n)
+        f.read(n, dtype="float32")
+    except sf.SoundFileError:
+        raise InputError(name, "corrupt or truncated audio (data ends early)") from None
+
+
+def _soundfile_problem(e: sf.SoundFileError) -> tuple[str, bool]:
+    """libsndfile's reason, cleaned up, and whether it recognised the format."""
+    text = getattr(e, "error_string", None) or str(e)
+    text = text.removeprefix("Error : ").strip().rstrip(".")
+    if "Format not recognised" in text:
+        return "format not recognised", False
+    if "not a regular file" in text:  # what libsndfile says when a header parses, data not
+        return "unreadable data", True
+    return text[:1].lower() + text[1:], True
+
+
+def _probe_av(name: str, opener: Opener) -> AudioInfo | _Rejected:
+    import av  # lazily: only inputs libsndfile cannot read need FFmpeg
+
+    with opener() as fobj:
+        try:
+            # Undecodable tags must not reject audio that decodes fine.
+            container = av.open(fobj, mode="r", metadata_errors="ignore")
+        except av.FFmpegError as e:
+            if isinstance(e, av.InvalidDataError):  # no demuxer recognised the data
+                return _Rejected("format not recognised", False)
+            return _Rejected(_av_problem(e), True)
+        with container:
+            if not container.streams.audio:
+                return _no_audio_stream(name, container)
+            stream = container.streams.audio[0]
+            try:
+                rate, channels = _first_frames(name, container, stream)
+            except av.FFmpegError as e:
+                raise InputError(name, f"corrupt or truncated audio ({_av_problem(e)})") from None
+            return AudioInfo(name, _av_duration(container, stream), rate, channels)
+
+
+def _no_audio_stream(name: str, container: av.container.InputContainer) -> _Rejected:
+    fmt = container.format.name
+    if fmt.endswith("_pipe") or fmt == "image2":  # FFmpeg opens pictures as 1-frame video
+        return _Rejected("an image", False)
+    if not container.streams:
+        return _Rejected(f"no streams in the {fmt} data", False)
+    raise InputError(name, "has no audio stream")
+
+
+def _first_frames(
+    name: str, container: av.container.InputContainer, stream: av.AudioStream
+) -> tuple[int, int]:
+    """Decode the first MIN_DURATION of audio: proves it decodes; gives rate and channels.
+
+    Taken from decoded frames, not the header, which some containers leave incomplete.
+    """
+    rate = channels = decoded = 0
+    for frame in container.decode(stream):
+        if not rate:
+            rate, channels = frame.sample_rate, frame.layout.nb_channels
+        decoded += frame.samples
+        if decoded >= MIN_DURATION * rate:
+            return rate, channels
+    _check_length(name, decoded, rate or 1)
+    return rate, channels
+
+
+def _av_duration(container: av.container.InputContainer, stream: av.AudioStream) -> float | None:
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        return container.duration / 1_000_000  # container durations are in AV_TIME_BASE
+    return None
+
+
+def _av_problem(e: Exception) -> str:
+    text = getattr(e, "strerror", None) or str(e)
+    return text[:1].lower() + text[1:]
+
+
+def _check_length(name: str, frames: int, rate: int) -> None:
+    if frames <= 0:
+        raise InputError(name, "contains no audio")
+    seconds = frames / rate
+    if seconds < MIN_DURATION:
+        raise InputError(
+            name, f"audio is too short ({seconds:.2f} s; at least {MIN_DURATION:g} s needed)"
+        )
+
+
+# --- decoding: each yields float32 arrays of shape (frames, channels) at the input's rate ---
+
+
+def _decode_soundfile(opener: Opener, read_frames: int) -> Iterator[np.ndarray]:
+    done = 0.0  # seconds decoded, to say where a damaged file breaks
+    try:
+        with opener() as fobj, sf.SoundFile(fobj) as f:
+            while len(block := f.read(read_frames, dtype="float32", always_2d=True)):
+                done += len(block) / f.samplerate
+                yield block
+    except sf.SoundFileError as e:
+        raise _DecodeError(f"{_soundfile_problem(e)[0]} after {done:.1f} s") from e
+
+
+def _decode_av(opener: Opener, read_frames: int) -> Iterator[np.ndarray]:
+    import av
+
+    done = 0.0  # seconds decoded, to say where a damaged file breaks
+    try:
+        with opener() as fobj, av.open(fobj, mode="r", metadata_errors="ignore") as container:
+            converter: av.AudioResampler | None = None
+            pending: list[np.ndarray] = []
+            count = 0
+            for frame in container.decode(container.streams.audio[0]):
+                if converter is None:
+                    # Planar float at the first frame's rate and layout: a mid-stream change
+                    # of layout or rate is converted back, so every block has the same shape.
+                    converter = av.AudioResampler("fltp", frame.layout, frame.sample_rate)
+                for out in converter.resample(frame):
+                    pending.append(out.to_ndarray())
+                    count += out.samples
+                if count >= read_frames:
+                    yield _join_planar(pending)
+                    done += count / frame.sample_rate
+                    pending, count = [], 0
+            if converter is not None:
+                pending.extend(out.to_ndarray() for out in converter.resample(None))
+            if pending:
+                yield _join_planar(pending)
+    except av.FFmpegError as e:
+        raise _DecodeError(f"{_av_problem(e)} after {done:.1f} s") from e
+
+
+def _join_planar(planes: list[np.ndarray]) -> np.ndarray:
+    # fltp frames are (channels, samples); the rest of the pipeline wants (frames, channels).
+    return np.concatenate(planes, axis=1).T
+
+
+# --- mixing, resampling, re-blocking ------------------------------------------------------
+
+
+def _to_mono(block: np.ndarray, channel: int | None) -> np.ndarray:
+    if channel is not None:
+        return np.ascontiguousarray(block[:, channel], dtype=np.float32)
+    if block.shape[1] == 1:
+        return np.ascontiguousarray(block[:, 0], dtype=np.float32)
+    return block.mean(axis=1, dtype=np.float32)
+
+
+def _resample(blocks: Iterable[np.ndarray], rate: int) -> Iterator[np.ndarray]:
+    if rate == SAMPLE_RATE:
+        yield from blocks
+        return
+    # One stream for the whole input: its filter state carries across blocks, so the output
+    # is identical to resampling the whole signal at once (no clicks at block edges).
+    stream = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ")
+    for block in blocks:
+        out = stream.resample_chunk(block, last=False)
+        if len(out):
+            yield out
+    tail = stream.resample_chunk(np.zeros(0, np.float32), last=True)
+    if len(tail):
+        yield tail
+
+
+def _rechunk(blocks: Iterable[np.ndarray], size: int) -> Iterator[np.ndarray]:
+    """Re-cut a stream of 1-D arrays into arrays of exactly ``size`` samples (last shorter)."""
+    pending: list[np.ndarray] = []
+    count = 0
+    for block in blocks:
+        pending.append(block)
+        count += len(block)
+        if count < size:
+            continue
+        joined = np.concatenate(pending)
+        whole = len(joined) - len(joined) % size
+        for start in range(0, whole, size):
+            yield joined[start : start + size].copy()  # a copy frees `joined` when done
+        pending = [joined[whole:].copy()]
+        count = len(pending[0])
+    if count:
+        yield np.concatenate(pending)

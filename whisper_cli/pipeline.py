@@ -1,0 +1,314 @@
+"""Transcribe many inputs of any length in batches of independent 30 s windows.
+
+Data flows one way: inputs -> audio blocks -> windows -> batches -> log-mel ->
+encoder -> greedy decoder -> segments -> one Transcript per input, handed to a
+callback as soon as its last window is decoded. Windows of one file and of several
+files share batches; only a batch of windows is held in memory at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from whisper_cli.audio import AudioSource, open_audio
+from whisper_cli.decoding import DecodeOptions, GreedyDecoder, LanguageGuess
+from whisper_cli.dtypes import dtype_name
+from whisper_cli.errors import InputError, WhisperCliError
+from whisper_cli.features import N_SAMPLES, SAMPLE_RATE, log_mel
+from whisper_cli.loading import LoadedModel
+from whisper_cli.results import Segment, Transcript
+from whisper_cli.segments import window_segments
+from whisper_cli.tokenizer import TIME_PRECISION
+from whisper_cli.windows import Window, cut_windows
+
+TASKS = ("transcribe", "translate")
+MIN_TAIL_SECONDS = 1.0  # shorter untranscribed remainders of a window are not re-decoded
+
+
+@dataclass(frozen=True)
+class TranscribeOptions:
+    language: str | None = None  # None: detect per input (or per window if multilingual)
+    multilingual: bool = False  # detect the language of every window
+    task: str = "transcribe"
+    timestamps: bool = True
+    batch_size: int = 16
+    max_new_tokens: int = 224
+    initial_prompt: str | None = None
+    channel: str | int | None = None
+    compile: bool = False
+    # Silence / hallucination guards, openai-whisper's defaults.
+    no_speech_threshold: float = 0.6
+    logprob_threshold: float = -1.0
+    compression_ratio_threshold: float = 2.4
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the pipeline reports after each batch."""
+
+    audio_done: float  # seconds of audio decoded so far
+    audio_total: float  # seconds of audio in all inputs (known durations)
+    elapsed: float
+
+
+@dataclass
+class _Input:
+    index: int
+    path: str
+    source: AudioSource
+    duration: float = 0.0
+    language: LanguageGuess | None = None
+    segments: list[Segment] = field(default_factory=list)
+    pending: int = 0  # windows cut or queued but not decoded yet
+    cut_done: bool = False  # the last window of this input has been cut
+    started: float = field(default_factory=time.perf_counter)
+
+
+def validate_options(loaded: LoadedModel, options: TranscribeOptions) -> None:
+    """Run-level checks, before any work starts."""
+    tokenizer = loaded.tokenizer
+    if options.task not in TASKS:
+        raise WhisperCliError(f"invalid task {options.task!r}; choose transcribe or translate")
+    if options.batch_size < 1:
+        raise WhisperCliError("--batch-size must be at least 1")
+    if options.language is not None:
+        if not tokenizer.is_multilingual and options.language != "en":
+            raise WhisperCliError(
+                f"{loaded.name} is an English-only model; it cannot transcribe "
+                f"language {options.language!r} (use a multilingual model)"
+            )
+        if tokenizer.is_multilingual:
+            tokenizer.language_id(options.language)
+    if not tokenizer.is_multilingual and options.task == "translate":
+        raise WhisperCliError(f"{loaded.name} is an English-only model; it cannot translate")
+
+
+class Transcriber:
+    """Holds a loaded model and decodes batches of windows from many inputs."""
+
+    def __init__(self, loaded: LoadedModel, options: TranscribeOptions) -> None:
+        validate_options(loaded, options)
+        self.loaded = loaded
+        self.options = options
+        tokenizer = loaded.tokenizer
+        prompt = ()
+        if options.initial_prompt:
+            # Fixed for the run, so every window's prompt (and the step's shape) is the same.
+            max_prompt = loaded.config.max_target_positions // 2 - 1
+            prompt = tuple(tokenizer.encode_text(" " + options.initial_prompt.strip()))
+            prompt = prompt[-max_prompt:]
+        on_cuda = loaded.policy.device.type == "cuda"
+        step = None
+        if options.compile:
+            from whisper_cli.compiled import compiled_step
+
+            step = compiled_step(loaded.model)
+        self.decoder = GreedyDecoder(
+            loaded,
+            DecodeOptions(
+                task=options.task,
+                timestamps=options.timestamps,
+                max_new_tokens=options.max_new_tokens,
+                prompt_tokens=prompt,
+                sync_every=8 if on_cuda else 1,
+                shrink_batch=not options.compile,
+            ),
+            step=step,
+        )
+        # A compiled step has one batch shape: pad the last batch up to it.
+        self.pad_batches = options.compile
+
+    # -- public API ----------------------------------------------------------------
+
+    def transcribe(self, path: str, stdin=None) -> Transcript:
+        """One input, whole (convenience for library users and tests)."""
+        results: list[Transcript] = []
+        errors: list[InputError] = []
+        self.run([path], results.append, errors.append, stdin=stdin)
+        if errors:
+            raise errors[0]
+        return results[0]
+
+    def run(
+        self,
+        paths: Iterable[str],
+        on_result: Callable[[Transcript], None],
+        on_error: Callable[[InputError], None],
+        on_progress: Callable[[Progress], None] | None = None,
+        stdin=None,
+    ) -> None:
+        """Transcribe every path; each result or per-input error is reported as it happens."""
+        inputs: list[_Input] = []
+        for path in paths:
+            try:
+                source = open_audio(path, channel=self.options.channel, stdin=stdin)
+            except InputError as exc:
+                on_error(exc)
+                continue
+            inputs.append(_Input(len(inputs), path, source))
+        total = sum(i.source.info.duration or 0.0 for i in inputs)
+        started = time.perf_counter()
+        done_audio = 0.0
+        failed: set[int] = set()
+        tails: list[Window] = []
+        for batch in self._batches(inputs, failed, on_error, tails):
+            new_tails = self._decode_batch(inputs, batch)
+            tails.extend(new_tails)
+            done_audio += sum(len(w.audio) for w in batch if w.index >= 0) / SAMPLE_RATE
+            for window in new_tails:
+                inputs[window.source].pending += 1
+            for window in batch:
+                item = inputs[window.source]
+                item.pending -= 1
+                if item.pending == 0 and item.cut_done and item.index not in failed:
+                    on_result(self._finish(item))
+            if on_progress:
+                on_progress(Progress(done_audio, total, time.perf_counter() - started))
+
+    # -- batching --------------------------------------------------------------------
+
+    def _windows(
+        self, inputs: list[_Input], failed: set[int], on_error: Callable[[InputError], None]
+    ) -> Iterator[Window]:
+        for item in inputs:
+            try:
+                for window in cut_windows(item.source.blocks(), source=item.index):
+                    item.pending += 1
+                    item.duration = window.end
+                    yield window
+            except InputError as exc:
+                failed.add(item.index)
+                on_error(exc)
+            item.cut_done = True
+
+    def _batches(
+        self,
+        inputs: list[_Input],
+        failed: set[int],
+        on_error: Callable[[InputError], None],
+        tails: list[Window],
+    ) -> Iterator[list[Window]]:
+        """Batches of fresh windows, with the tails to re-decode going first."""
+        fresh = self._windows(inputs, failed, on_error)
+        size = self.options.batch_size
+        while True:
+            batch, tails[:] = tails[:size], tails[size:]
+            batch.extend(itertools.islice(fresh, size - len(batch)))
+            if not batch:
+                return
+            yield batch
+
+    # -- decoding --------------------------------------------------------------------
+
+    def _decode_batch(self, inputs: list[_Input], batch: list[Window]) -> None:
+        device = self.loaded.policy.device
+        n_rows = self.options.batch_size if self.pad_batches else len(batch)
+        audio = np.zeros((n_rows, N_SAMPLES), dtype=np.float32)
+        for row, window in enumerate(batch):
+            audio[row, : len(window.audio)] = window.audio
+        mel = log_mel(torch.from_numpy(audio).to(device), self.loaded.config.num_mel_bins)
+        with torch.inference_mode():
+            features = self.decoder.encode(mel)
+        languages = self._languages(inputs, batch, features)
+        languages += [languages[0]] * (n_rows - len(batch))  # padding rows
+        rows = self.decoder.decode(features, languages)
+        tails = []
+        for window, row in zip(batch, rows, strict=False):
+            item = inputs[window.source]
+            duration = len(window.audio) / SAMPLE_RATE
+            if self._is_silent(row.no_speech_prob, row.avg_logprob):
+                continue
+            tail = self._tail(window, row.tokens)
+            if tail is not None:
+                tails.append(tail)
+            segments = window_segments(
+                row.tokens,
+                self.loaded.tokenizer,
+                offset=window.start,
+                duration=duration,
+                avg_logprob=row.avg_logprob,
+                no_speech_prob=row.no_speech_prob,
+                language=row.language,
+            )
+            item.segments.extend(
+                s
+                for s in segments
+                if s.compression_ratio <= self.options.compression_ratio_threshold
+            )
+        return tails
+
+    def _tail(self, window: Window, tokens: tuple[int, ...]) -> Window | None:
+        """The audio after the last closed segment, when the model stopped before the end.
+
+        A window whose tokens end in a timestamp pair left its remaining audio
+        untranscribed (the model expects a continuation); openai-whisper seeks there
+        and decodes again. Windows here are independent, so only that remainder is
+        decoded again, as a shorter window of its own in a later batch.
+        """
+        ts_begin = self.loaded.tokenizer.special.timestamp_begin
+        if not self.options.timestamps or len(tokens) < 2:
+            return None
+        if not (tokens[-1] >= ts_begin and tokens[-2] >= ts_begin):
+            return None
+        last = (tokens[-1] - ts_begin) * TIME_PRECISION
+        start = round(last * SAMPLE_RATE)
+        if last <= 0 or len(window.audio) - start < MIN_TAIL_SECONDS * SAMPLE_RATE:
+            return None
+        return Window(
+            source=window.source, index=-1, start=window.start + last, audio=window.audio[start:]
+        )
+
+    def _is_silent(self, no_speech_prob: float, avg_logprob: float) -> bool:
+        """openai-whisper's rule: likely no speech, and the text is not confidently decoded."""
+        o = self.options
+        return no_speech_prob > o.no_speech_threshold and avg_logprob < o.logprob_threshold
+
+    def _languages(
+        self, inputs: list[_Input], batch: list[Window], features: torch.Tensor
+    ) -> list[str | None]:
+        """The language of each row: given, per input (first window), or per window."""
+        if not self.loaded.tokenizer.is_multilingual:
+            return [None] * len(batch)
+        if self.options.language is not None:
+            return [self.options.language] * len(batch)
+        if self.options.multilingual:
+            need = list(range(len(batch)))
+        else:
+            need = [r for r, w in enumerate(batch) if inputs[w.source].language is None]
+        guesses: dict[int, LanguageGuess] = {}
+        if need:
+            # One step over the whole batch (fixed shape), read for the rows that need it.
+            detected = self.decoder.detect_language(features)
+            guesses = {r: detected[r] for r in need}
+        languages: list[str | None] = []
+        for r, window in enumerate(batch):
+            item = inputs[window.source]
+            if item.language is None and r in guesses:
+                item.language = guesses[r]  # the first window of the input decides
+            guess = guesses[r] if self.options.multilingual else item.language
+            languages.append(guess.code)
+        return languages
+
+    def _finish(self, item: _Input) -> Transcript:
+        segments = tuple(sorted(item.segments, key=lambda s: s.start))
+        text = "".join(s.text for s in segments).strip()
+        language = item.language.code if item.language else None
+        if not self.loaded.tokenizer.is_multilingual:
+            language = "en"
+        return Transcript(
+            path=item.path,
+            text=text,
+            language=language,
+            language_probability=item.language.probability if item.language else None,
+            segments=segments,
+            duration=round(item.duration, 3),
+            model=self.loaded.name,
+            dtype=dtype_name(self.loaded.policy.dtype),
+            timings={"wall": round(time.perf_counter() - item.started, 3)},
+        )
