@@ -15,10 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from whisper_cli.dtypes import encoder_input, f32_log_softmax
+from whisper_cli.dtypes import encoder_input, f32_log_softmax, f32_logprob_sums
 from whisper_cli.loading import LoadedModel
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# Repetition guard: every LOOP_CHECK_EVERY steps, a row whose last max(MIN_LOOP_SPAN,
+# 3 * period) tokens repeat with a period up to MAX_LOOP_PERIOD is stopped.
+LOOP_CHECK_EVERY = 8
+MAX_LOOP_PERIOD = 16
+MIN_LOOP_SPAN = 32
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class DecodedRow:
     avg_logprob: float
     no_speech_prob: float
     language: str | None
+    looped: bool = False  # stopped by the repetition guard
 
 
 @dataclass(frozen=True)
@@ -142,7 +148,8 @@ class GreedyDecoder:
         out = torch.full((b, self.max_new), self.special.eot, dtype=torch.long, device=device)
         state = _RowState.start(b, device)
         rows = torch.arange(b, device=device)  # global row of each active row
-        sum_logprob = torch.zeros(b, dtype=torch.float32, device=device)
+        sum_logprob = f32_logprob_sums(b, device)
+        loop_cut = torch.full((b,), -1, dtype=torch.long, device=device)
         positions = torch.arange(t0, self.cache_len, device=device)
         for i in range(self.max_new):
             logits = self._apply_rules(logits, state, i)
@@ -156,6 +163,8 @@ class GreedyDecoder:
             out[rows, i] = next_tokens
             if i + 1 == self.max_new:
                 break
+            if (i + 1) % LOOP_CHECK_EVERY == 0:
+                self._stop_loops(out, rows, state, i + 1)
             if (i + 1) % self.options.sync_every == 0:
                 n_active = int((~state.finished).sum())
                 if n_active == 0:
@@ -163,7 +172,8 @@ class GreedyDecoder:
                 # Eager path: drop finished rows once they are a quarter of the batch.
                 if self.options.shrink_batch and n_active <= 0.75 * len(rows):
                     keep = (~state.finished).nonzero()[:, 0]
-                    sum_logprob[rows] = state.sum_logprob  # keep the dropped rows' sums
+                    sum_logprob[rows] = state.sum_logprob  # keep the dropped rows' results
+                    loop_cut[rows] = state.loop_cut
                     rows, next_tokens = rows[keep], next_tokens[keep]
                     state = state.select(keep)
                     self.model.decoder.keep_rows(keep)
@@ -171,18 +181,40 @@ class GreedyDecoder:
             logits = self.step(next_tokens[:, None], positions[i : i + 1])[:, -1]
 
         sum_logprob[rows] = state.sum_logprob
+        loop_cut[rows] = state.loop_cut
         results = []
-        for r, (seq, total) in enumerate(zip(out.tolist(), sum_logprob.tolist(), strict=True)):
+        for r, (seq, total, cut) in enumerate(
+            zip(out.tolist(), sum_logprob.tolist(), loop_cut.tolist(), strict=True)
+        ):
             n = seq.index(self.special.eot) if self.special.eot in seq else len(seq)
             results.append(
                 DecodedRow(
-                    tokens=tuple(seq[:n]),
+                    tokens=tuple(seq[: min(n, cut) if cut >= 0 else n]),
                     avg_logprob=total / (n + 1),  # as openai-whisper: end-of-text counts
                     no_speech_prob=float(no_speech[r]),
                     language=languages[r],
+                    looped=cut >= 0,
                 )
             )
         return results
+
+    def _stop_loops(self, out: torch.Tensor, rows: torch.Tensor, state: _RowState, n: int) -> None:
+        """Repetition guard, on the device: finish rows whose recent tokens repeat a period.
+
+        Timestamps are compared as one symbol, so "text <|t|><|t'|> text ..." loops are
+        caught although their times advance. A looping row keeps one period of the loop.
+        """
+        ts_begin = self.special.timestamp_begin
+        seq = out.index_select(0, rows)[:, :n]  # (rows, n)
+        seq = torch.where(seq >= ts_begin, ts_begin, seq)
+        for period in range(1, MAX_LOOP_PERIOD + 1):
+            span = max(MIN_LOOP_SPAN, 3 * period)
+            if span + period > n:
+                break
+            periodic = (seq[:, n - span :] == seq[:, n - span - period : n - period]).all(dim=1)
+            new = periodic & ~state.finished
+            state.loop_cut = torch.where(new, n - span, state.loop_cut)
+            state.finished |= new
 
     def _apply_rules(self, logits: torch.Tensor, state: _RowState, i: int) -> torch.Tensor:
         """Suppressed tokens and the timestamp rules, as a (rows, V) mask on the device."""
@@ -221,6 +253,7 @@ class _RowState:
     max_ts: torch.Tensor  # largest timestamp token so far, -1 if none
     finished: torch.Tensor
     sum_logprob: torch.Tensor
+    loop_cut: torch.Tensor  # where a looping row's tokens are cut, -1 if it did not loop
 
     @classmethod
     def start(cls, b: int, device: torch.device) -> _RowState:
@@ -230,7 +263,8 @@ class _RowState:
             penult=minus_one.clone(),
             max_ts=minus_one.clone(),
             finished=torch.zeros(b, dtype=torch.bool, device=device),
-            sum_logprob=torch.zeros(b, dtype=torch.float32, device=device),
+            sum_logprob=f32_logprob_sums(b, device),
+            loop_cut=minus_one.clone(),
         )
 
     def advance(self, tokens: torch.Tensor, ts_begin: int) -> None:

@@ -10,7 +10,8 @@ where a tensor changes dtype can be read in one screen:
 * `cast_weight`   - checkpoint tensors (f16/f32/bf16 on disk) to the run dtype, once at load.
 * `encoder_input` - the log-mel, computed in float32 (see F32_EXCEPTIONS), enters the
                     encoder in the run dtype.
-* `f32_log_softmax` - the listed float32 exception for probabilities over logits.
+* `f32_log_softmax`, `f32_logprob_sums` - the listed float32 exception for
+                    probabilities over logits and their running sums.
 """
 
 from __future__ import annotations
@@ -130,3 +131,8 @@ def encoder_input(mel: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def f32_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """Log-probabilities over the vocabulary in float32 (listed exception)."""
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def f32_logprob_sums(rows: int, device: torch.device) -> torch.Tensor:
+    """Per-row running sums of chosen tokens' log-probabilities (same listed exception)."""
+    return torch.zeros(rows, dtype=torch.float32, device=device)

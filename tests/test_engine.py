@@ -1,0 +1,167 @@
+"""The engine against the transformers reference: logits, greedy tokens, cache, log-mel."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from util import (
+    make_random_model,
+    manifest,
+    real_model,
+    real_tokenizer,
+    shared_clip,
+    shifted_tokenizer,
+)
+
+from whisper_cli.audio import load_audio
+from whisper_cli.decoding import DecodeOptions, GreedyDecoder
+from whisper_cli.dtypes import resolve_policy
+from whisper_cli.features import log_mel
+from whisper_cli.loading import load_model
+
+transformers = pytest.importorskip("transformers")
+
+F32 = resolve_policy("f32", "cpu")
+
+# (mel bins, vocabulary, tokenizer of): English-only, multilingual, large-v3 style.
+CONFIGS = {
+    "en-80": (80, 51864, "tiny.en"),
+    "multi-80": (80, 51865, "base"),
+    "v3-128": (128, 51866, "base"),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def random_dirs(request, tmp_path_factory) -> Path:
+    mels, vocab, tok_of = CONFIGS[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    tok = real_tokenizer(tok_of)
+    if vocab == 51866:
+        tok = shifted_tokenizer(tok, root / "tokenizer-v3.json")
+    return make_random_model(root / "model", tok, vocab_size=vocab, num_mel_bins=mels)
+
+
+def reference(path: Path):
+    return transformers.WhisperForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32
+    ).eval()
+
+
+def random_mel(n_mels: int, batch: int = 2) -> torch.Tensor:
+    torch.manual_seed(3)
+    return torch.randn(batch, n_mels, 3000) * 0.5
+
+
+def test_random_config_logits_match_reference(random_dirs):
+    ours = load_model(str(random_dirs), F32)
+    ref = reference(random_dirs)
+    mel = random_mel(ours.config.num_mel_bins)
+    special = ours.tokenizer.special
+    prompt = ours.tokenizer.prompt("en", "transcribe", timestamps=False)
+    tokens = torch.tensor([[*prompt, 400, 1000, 2000, 3000]] * 2)
+    with torch.no_grad():
+        expected = ref(input_features=mel, decoder_input_ids=tokens).logits
+        audio = ours.model.encoder(mel)
+        ours.model.decoder.setup_caches(2, 32, audio.shape[1])
+        ours.model.decoder.fill_cross_caches(audio)
+        got = ours.model.decoder(tokens, torch.arange(tokens.shape[1]))
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() < 1e-4
+    assert special.sot == ref.generation_config.decoder_start_token_id
+
+
+def test_static_cache_steps_equal_full_forward(random_dirs):
+    """Decoding one token at a time over the static cache = one uncached full forward."""
+    ours = load_model(str(random_dirs), F32)
+    mel = random_mel(ours.config.num_mel_bins)
+    tokens = torch.tensor([[ours.tokenizer.special.sot, 400, 1000, 2000, 3000, 17]] * 2)
+    decoder = ours.model.decoder
+    with torch.no_grad():
+        audio = ours.model.encoder(mel)
+        decoder.setup_caches(2, 16, audio.shape[1])
+        decoder.fill_cross_caches(audio)
+        full = decoder(tokens, torch.arange(tokens.shape[1]))
+        decoder.setup_caches(2, 16, audio.shape[1])
+        decoder.fill_cross_caches(audio)
+        steps = [decoder(tokens[:, i : i + 1], torch.tensor([i])) for i in range(tokens.shape[1])]
+    assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
+
+
+def first_pass(tokens: list[int], ts_begin: int) -> list[int]:
+    """transformers' tokens up to where it seeks and decodes again (after a final pair)."""
+    for i in range(1, len(tokens)):
+        if tokens[i] >= ts_begin and tokens[i - 1] >= ts_begin and i + 1 < len(tokens):
+            nxt = tokens[i + 1]
+            if nxt >= ts_begin and nxt < tokens[i]:  # times went back: a new pass began
+                return tokens[: i + 1]
+    return tokens
+
+
+@pytest.mark.parametrize("timestamps", [False, True])
+def test_random_config_greedy_tokens_match_reference(random_dirs, timestamps):
+    ours = load_model(str(random_dirs), F32)
+    ref = reference(random_dirs)
+    mel = random_mel(ours.config.num_mel_bins)
+    language = "en" if ours.tokenizer.is_multilingual else None
+    decoder = GreedyDecoder(ours, DecodeOptions(timestamps=timestamps, max_new_tokens=24))
+    with torch.inference_mode():
+        rows = decoder.decode(decoder.encode(mel), [language] * 2)
+    kwargs = {"language": "en", "task": "transcribe"} if language else {}
+    expected = ref.generate(
+        input_features=mel, return_timestamps=timestamps, max_new_tokens=24, **kwargs
+    )
+    ts_begin = ours.tokenizer.special.timestamp_begin
+    for row, exp in zip(rows, expected.tolist(), strict=True):
+        exp = [t for t in exp if t != ours.tokenizer.special.eot]
+        if timestamps:
+            exp = first_pass(exp, ts_begin)
+        assert list(row.tokens)[: len(exp)] == exp
+        assert len(row.tokens) >= 1
+
+
+def words(text: str) -> list[str]:
+    return re.sub(r"[^\w\s']", " ", text.lower()).split()
+
+
+def clip_cases():
+    clips = {c["file"]: c for c in manifest()["clips"]}
+    yield "jfk.flac", None, clips["jfk.flac"]["reference"]
+    diar = clips["stereo_diarization.wav"]
+    yield "stereo_diarization.wav", "left", diar["reference_left"]
+    yield "stereo_diarization.wav", "right", diar["reference_right"]
+
+
+@pytest.mark.parametrize("model_name", ["tiny.en", "base"])
+def test_real_models_match_reference_on_real_speech(model_name):
+    """Greedy tokens identical to transformers in f32; texts equal the references."""
+    model_dir = real_model(model_name)
+    ours = load_model(str(model_dir), F32)
+    ref = reference(model_dir)
+    extractor = transformers.WhisperFeatureExtractor.from_pretrained(model_dir)
+    language = "en" if ours.tokenizer.is_multilingual else None
+    kwargs = {"language": "en", "task": "transcribe"} if language else {}
+    for name, channel, text in clip_cases():
+        audio = load_audio(shared_clip(name), channel=channel)
+        features = extractor(audio, sampling_rate=16000, return_tensors="pt").input_features
+        expected = ref.generate(input_features=features, return_timestamps=True, **kwargs)
+        decoder = GreedyDecoder(ours, DecodeOptions())
+        with torch.inference_mode():
+            mel = log_mel(torch.from_numpy(audio)[None], ours.config.num_mel_bins)
+            row = decoder.decode(decoder.encode(mel), [language])[0]
+        exp = [t for t in expected[0].tolist() if t != ours.tokenizer.special.eot]
+        assert list(row.tokens) == exp, f"{model_name} {name} {channel}"
+        assert words(ours.tokenizer.decode(row.tokens)) == words(text)
+
+
+def test_log_mel_matches_feature_extractor_80_and_128():
+    audio = load_audio(shared_clip("jfk.flac"))
+    for n_mels in (80, 128):
+        extractor = transformers.WhisperFeatureExtractor(feature_size=n_mels)
+        expected = extractor(audio, sampling_rate=16000, return_tensors="np").input_features
+        got = log_mel(torch.from_numpy(audio)[None], n_mels).numpy()
+        assert got.shape == expected.shape == (1, n_mels, 3000)
+        assert np.abs(got - expected).max() < 1e-4
