@@ -70,3 +70,16 @@ def log_mel(audio: torch.Tensor, n_mels: int) -> torch.Tensor:
     log_spec = torch.clamp(mel, min=1e-10).log10()
     floor = log_spec.amax(dim=(1, 2), keepdim=True) - 8.0
     return (torch.maximum(log_spec, floor) + 4.0) / 4.0
+
+
+def batch_log_mel(
+    clips: list[np.ndarray], rows: int, n_mels: int, device: torch.device
+) -> torch.Tensor:
+    """Log-mel of up to `rows` clips (<= 30 s each), zero rows after them: (rows, n_mels, 3000).
+
+    Extra rows pad a batch to a compiled step's fixed batch size.
+    """
+    audio = np.zeros((rows, N_SAMPLES), dtype=np.float32)
+    for row, clip in enumerate(clips):
+        audio[row, : len(clip)] = clip
+    return log_mel(torch.from_numpy(audio).to(device), n_mels)
