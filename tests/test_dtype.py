@@ -21,7 +21,7 @@ import whisper_cli.decoding as decoding
 import whisper_cli.pipeline as pipeline
 from whisper_cli import dtypes
 from whisper_cli.loading import load_model
-from whisper_cli.pipeline import Transcriber, TranscribeOptions
+from whisper_cli.pipeline import TranscribeOptions, Transcriber
 
 
 class DtypeRecorder(TorchDispatchMode):

@@ -84,7 +84,7 @@ def test_untied_output_projection_is_refused(broken):
             {"proj_out.weight": torch.ones_like(s["model.decoder.embed_tokens.weight"])}
         ),
     )
-    with pytest.raises(WhisperCliError, match="proj_out.weight is not tied"):
+    with pytest.raises(WhisperCliError, match=r"proj_out\.weight is not tied"):
         load_model(str(broken), F32)
 
 
