@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 some input failed, 2 run-level error, 130 interrupted.
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from enum import Enum
@@ -216,10 +217,12 @@ def _transcribe(**a) -> int:
 
     def on_error(err: WhisperCliError) -> None:
         nonlocal failures
+        _check_interrupt()  # a read cut short by Ctrl-C is not a damaged file
         failures += 1
         _stderr(f"whisper-cli: error: {err.message}")
 
     def on_result(t) -> None:
+        _check_interrupt()
         if not a["quiet"] and t.language and loaded.tokenizer.is_multilingual:
             prob = f" (p={t.language_probability:.2f})" if t.language_probability else ""
             _stderr(f"whisper-cli: {t.path}: language {t.language}{prob}")
@@ -229,7 +232,14 @@ def _transcribe(**a) -> int:
         plan.emit(t, sys.stdout)
 
     with _progress(a["quiet"]) as report:
-        transcriber.run(paths, on_result, on_error, on_progress=report, stdin=sys.stdin.buffer)
+
+        def on_progress(p) -> None:
+            _check_interrupt()
+            if report is not None:
+                report(p)
+
+        transcriber.run(paths, on_result, on_error, on_progress, stdin=sys.stdin.buffer)
+    _check_interrupt()
     return EXIT_INPUT_FAILED if failures else EXIT_OK
 
 
@@ -284,12 +294,128 @@ def convert(
     _stderr(f"whisper-cli: wrote {dst}")
 
 
+@app.command(name="eval")
+def eval_command(
+    manifest: Annotated[Path, typer.Argument(help="Manifest JSON (clips with references).")],
+    model: ModelOpt = None,
+    dtype: Annotated[
+        str, typer.Option(help="auto, f32, f16, bf16, or all (f32, f16 and bf16).")
+    ] = "f32",
+    device: DeviceOpt = "auto",
+    batch_size: Annotated[int, typer.Option(min=1)] = 16,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+) -> None:
+    """Word error rate (pooled over the clips) of a manifest, per dtype."""
+    import json
+
+    from whisper_cli.evaluate import evaluate, render_table, report_to_json
+
+    try:
+        report = evaluate(
+            manifest, model or "base", dtype.split(","), device=device, batch_size=batch_size
+        )
+    except WhisperCliError as exc:
+        raise _fail(exc, debug) from None
+    print(json.dumps(report_to_json(report), indent=2) if json_out else render_table(report))
+
+
+@app.command()
+def bench(
+    model: ModelOpt = None,
+    batch_size: Annotated[int, typer.Option(min=1)] = 16,
+    dtype: Annotated[str, typer.Option(help="auto, f32, f16, bf16, or all.")] = "auto",
+    audio: Annotated[
+        str | None, typer.Option(help="Audio file or .npy; default: the bundled real speech.")
+    ] = None,
+    duration: Annotated[
+        float | None, typer.Option(help="Tile the audio to this many seconds.")
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    compile: CompileOpt = Compile.auto,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed runs; the median is shown.")] = 3,
+    timestamps: Annotated[bool, typer.Option(help="Timestamp mode (the default).")] = True,
+    against: Annotated[
+        str | None, typer.Option(help="transformers: also run the reference and compare.")
+    ] = None,
+    device: DeviceOpt = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+) -> None:
+    """Speed and memory, reproducibly, optionally beside the transformers reference."""
+    import json
+
+    from whisper_cli.bench import BenchConfig, render_table, report_to_json, run_bench
+
+    config = BenchConfig(
+        model=model or ("turbo" if device.startswith("cuda") else "base"),
+        dtypes=tuple(dtype.split(",")),
+        batch_size=batch_size,
+        audio=audio,
+        duration=duration,
+        max_new_tokens=max_new_tokens,
+        compile=compile.value,
+        repeats=repeats,
+        timestamps=timestamps,
+        against=against,
+        device=device,
+    )
+    try:
+        report = run_bench(config, on_progress=_stderr)
+    except WhisperCliError as exc:
+        raise _fail(exc, debug) from None
+    print(json.dumps(report_to_json(report), indent=2) if json_out else render_table(report))
+    if report.failures:
+        raise typer.Exit(EXIT_INPUT_FAILED)
+
+
+# Ctrl-C raises KeyboardInterrupt as usual, and is also remembered: one that lands in Python
+# code called back from C (libsndfile reads file objects through cffi callbacks) is swallowed
+# there, so the transcribe callbacks check the flag and stop the run before writing more.
+_sigint_seen = False
+
+
+def _on_sigint(signum, frame) -> None:
+    global _sigint_seen
+    _sigint_seen = True
+    raise KeyboardInterrupt
+
+
+def _unraisable(info) -> None:
+    if info.exc_type is not None and issubclass(info.exc_type, KeyboardInterrupt):
+        return  # swallowed in a C callback; _check_interrupt() stops the run
+    sys.__unraisablehook__(info)
+
+
+def _check_interrupt() -> None:
+    if _sigint_seen:
+        raise KeyboardInterrupt
+
+
 def main() -> None:
+    debug = "--debug" in sys.argv[1:]
+    signal.signal(signal.SIGINT, _on_sigint)
+    sys.unraisablehook = _unraisable
     try:
         app()
     except KeyboardInterrupt:
         _stderr("whisper-cli: interrupted")
         sys.exit(EXIT_INTERRUPTED)
+    except WhisperCliError as exc:  # raised outside a command's own handler
+        sys.exit(_fail(exc, debug).exit_code)
+    except Exception as exc:
+        # Last resort: a bug, not a problem the user can fix; one line unless --debug.
+        if debug:
+            import traceback
+
+            traceback.print_exception(exc, file=sys.stderr)
+        detail = str(exc).strip().splitlines()
+        hint = "" if debug else " (run with --debug for the traceback)"
+        _stderr(
+            f"whisper-cli: internal error: {type(exc).__name__}"
+            f"{': ' + detail[0] if detail else ''}{hint}"
+        )
+        sys.exit(EXIT_USAGE)
 
 
 __all__ = ["EXIT_USAGE", "app", "main"]

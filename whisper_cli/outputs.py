@@ -27,6 +27,8 @@ class OutputPlan:
             raise WhisperCliError(
                 f"invalid format {fmt!r}; choose one of {', '.join(FORMATS)} or all"
             )
+        if output_dir is not None and output_dir.exists() and not output_dir.is_dir():
+            raise WhisperCliError(f"--output-dir {output_dir} exists and is not a directory")
         if output_dir is None:
             if fmt == "all":
                 raise WhisperCliError("--format all writes several files: give --output-dir")
@@ -56,6 +58,9 @@ class OutputPlan:
             return []
         written = []
         for fmt, path in zip(self.formats, self.paths(transcript.path), strict=True):
-            write_atomic(path, render(transcript, fmt))
+            try:
+                write_atomic(path, render(transcript, fmt))
+            except OSError as exc:  # unwritable directory, disk full: the run cannot go on
+                raise WhisperCliError(f"cannot write {path}: {exc.strerror or exc}") from exc
             written.append(path)
         return written

@@ -20,7 +20,7 @@ from whisper_cli.audio import AudioSource, open_audio
 from whisper_cli.decoding import DecodeOptions, GreedyDecoder, LanguageGuess
 from whisper_cli.dtypes import dtype_name
 from whisper_cli.errors import InputError, WhisperCliError
-from whisper_cli.features import N_SAMPLES, SAMPLE_RATE, log_mel
+from whisper_cli.features import SAMPLE_RATE, batch_log_mel
 from whisper_cli.loading import LoadedModel
 from whisper_cli.results import Segment, Transcript
 from whisper_cli.segments import window_segments
@@ -29,6 +29,13 @@ from whisper_cli.windows import Window, cut_windows
 
 TASKS = ("transcribe", "translate")
 MIN_TAIL_SECONDS = 1.0  # shorter untranscribed remainders of a window are not re-decoded
+# A window whose loudest sample is below this (-80 dBFS, about 3 LSB of 16-bit audio) holds
+# no audible signal; the model still writes text for it (" you"), so it is not decoded.
+SILENCE_PEAK = 1e-4
+# A remainder the model called speechless (single closing timestamp) is decoded again when
+# at least TAIL_SOUND_SECONDS of it is within TAIL_SOUND_DB of the window's loud level.
+TAIL_SOUND_DB = 25.0
+TAIL_SOUND_SECONDS = 0.25
 
 
 @dataclass(frozen=True)
@@ -178,10 +185,20 @@ class Transcriber:
     ) -> Iterator[Window]:
         for item in inputs:
             try:
-                for window in cut_windows(item.source.blocks(), source=item.index):
+                windows = cut_windows(item.source.blocks(), source=item.index)
+                window = next(windows, None)
+                if window is None:
+                    raise InputError(item.path, "contains no audio")
+                while window is not None:
+                    # One window of look-ahead: an input is known to be cut through when its
+                    # last window is yielded, so it is handed over as soon as that is decoded
+                    # (not only when a later batch happens to hold one of its windows).
+                    following = next(windows, None)
                     item.pending += 1
                     item.duration = window.end
+                    item.cut_done = following is None
                     yield window
+                    window = following
             except InputError as exc:
                 failed.add(item.index)
                 on_error(exc)
@@ -207,12 +224,14 @@ class Transcriber:
     # -- decoding --------------------------------------------------------------------
 
     def _decode_batch(self, inputs: list[_Input], batch: list[Window]) -> None:
+        batch = [w for w in batch if w.audio.size and np.abs(w.audio).max() >= SILENCE_PEAK]
+        if not batch:  # digital silence only: nothing to decode
+            return []
         device = self.loaded.policy.device
         n_rows = self.options.batch_size if self.pad_batches else len(batch)
-        audio = np.zeros((n_rows, N_SAMPLES), dtype=np.float32)
-        for row, window in enumerate(batch):
-            audio[row, : len(window.audio)] = window.audio
-        mel = log_mel(torch.from_numpy(audio).to(device), self.loaded.config.num_mel_bins)
+        mel = batch_log_mel(
+            [w.audio for w in batch], n_rows, self.loaded.config.num_mel_bins, device
+        )
         with torch.inference_mode():
             features = self.decoder.encode(mel)
         languages = self._languages(inputs, batch, features)
@@ -222,7 +241,7 @@ class Transcriber:
         for window, row in zip(batch, rows, strict=False):
             item = inputs[window.source]
             duration = len(window.audio) / SAMPLE_RATE
-            if self._is_silent(row.no_speech_prob, row.avg_logprob):
+            if self._is_silent(row.no_speech_prob, row.avg_logprob, row.tokens):
                 continue
             tail = self._tail(window, row.tokens)
             if tail is not None:
@@ -252,22 +271,38 @@ class Transcriber:
         decoded again, as a shorter window of its own in a later batch.
         """
         ts_begin = self.loaded.tokenizer.special.timestamp_begin
-        if not self.options.timestamps or len(tokens) < 2:
-            return None
-        if not (tokens[-1] >= ts_begin and tokens[-2] >= ts_begin):
+        if not self.options.timestamps or len(tokens) < 2 or tokens[-1] < ts_begin:
             return None
         last = (tokens[-1] - ts_begin) * TIME_PRECISION
         start = round(last * SAMPLE_RATE)
         if last <= 0 or len(window.audio) - start < MIN_TAIL_SECONDS * SAMPLE_RATE:
             return None
+        # A single closing timestamp claims there is no speech after it, but after a pause
+        # the model often stops early and whole utterances would be lost: decode the rest
+        # again unless it is quiet.
+        if tokens[-2] < ts_begin and not _has_sound(window.audio, start):
+            return None
         return Window(
             source=window.source, index=-1, start=window.start + last, audio=window.audio[start:]
         )
 
-    def _is_silent(self, no_speech_prob: float, avg_logprob: float) -> bool:
-        """openai-whisper's rule: likely no speech, and the text is not confidently decoded."""
+    def _is_silent(
+        self, no_speech_prob: float, avg_logprob: float, tokens: tuple[int, ...]
+    ) -> bool:
+        """openai-whisper's rule: likely no speech, and the text is not confidently decoded.
+
+        A confident decode overrides the no-speech probability only when it holds words: text
+        of punctuation or symbols alone (" . . .", music notes) under a high no-speech
+        probability is what the model writes for noise and tones, not speech.
+        """
         o = self.options
-        return no_speech_prob > o.no_speech_threshold and avg_logprob < o.logprob_threshold
+        if no_speech_prob <= o.no_speech_threshold:
+            return False
+        if avg_logprob < o.logprob_threshold:
+            return True
+        ts_begin = self.loaded.tokenizer.special.timestamp_begin
+        text = self.loaded.tokenizer.decode([t for t in tokens if t < ts_begin])
+        return not any(ch.isalnum() for ch in text)
 
     def _languages(
         self, inputs: list[_Input], batch: list[Window], features: torch.Tensor
@@ -312,3 +347,21 @@ class Transcriber:
             dtype=dtype_name(self.loaded.policy.dtype),
             timings={"wall": round(time.perf_counter() - item.started, 3)},
         )
+
+
+def _has_sound(audio: np.ndarray, start: int) -> bool:
+    """Whether ``audio[start:]`` holds sound near the loud level of the whole window.
+
+    Levels of 20 ms frames in dB; the window's loud level is its 95th percentile. Digital
+    silence or room noise far below the speech is not worth decoding again.
+    """
+    frame = SAMPLE_RATE // 50
+    n = len(audio) // frame
+    if n == 0 or len(audio) - start < frame:
+        return False
+    power = np.square(audio[: n * frame], dtype=np.float64).reshape(n, frame).mean(axis=1)
+    level = 10 * np.log10(power + 1e-10)
+    loud = np.percentile(level, 95)
+    after = level[-(-start // frame) :]  # frames that start at or after `start`
+    loud_frames = np.count_nonzero(after > loud - TAIL_SOUND_DB)
+    return bool(loud_frames * frame >= TAIL_SOUND_SECONDS * SAMPLE_RATE)

@@ -1,0 +1,74 @@
+"""Session fixtures for the pipeline and CLI tests: the real models, loaded once each.
+
+`models/tiny.en` and `models/base` are loaded in f32 on the CPU the first time a test
+asks for them and shared by every later test (skipped locally, failed under CI=true,
+when `make models` has not been run). `transcriber` builds a `Transcriber` over one of
+them with the given options; `cached_cli_models` makes in-process CLI runs reuse the
+loaded models instead of reading the weights again on every invocation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.util import real_model
+
+
+def _load(name: str):
+    from whisper_cli import loading
+    from whisper_cli.dtypes import resolve_policy
+
+    # The real loader, also while `cached_cli_models` has replaced it.
+    load_model = getattr(loading.load_model, "__wrapped__", loading.load_model)
+    return load_model(str(real_model(name)), resolve_policy("f32", "cpu"))
+
+
+@pytest.fixture(scope="session")
+def tiny_en():
+    """models/tiny.en (English-only), f32 on the CPU."""
+    return _load("tiny.en")
+
+
+@pytest.fixture(scope="session")
+def base_model():
+    """models/base (multilingual), f32 on the CPU."""
+    return _load("base")
+
+
+@pytest.fixture
+def transcriber() -> Callable:
+    """`transcriber(loaded, **options)`: a Transcriber with those TranscribeOptions."""
+    from whisper_cli.pipeline import TranscribeOptions, Transcriber
+
+    def make(loaded, **options):
+        return Transcriber(loaded, TranscribeOptions(**options))
+
+    return make
+
+
+@pytest.fixture
+def cached_cli_models(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """CLI runs in this test get the session's f32 CPU models for models/tiny.en and base.
+
+    Only the weights are reused: the CLI still resolves the name, builds its own
+    Transcriber and renders its own output. Any other model or dtype loads for real.
+    """
+    import whisper_cli.loading as loading
+
+    real_load = loading.load_model
+    fixtures = {"tiny.en": "tiny_en", "base": "base_model"}
+
+    def load_model(name: str, policy):
+        path = Path(name).expanduser()
+        if path.is_dir() and policy.name == "f32" and policy.device.type == "cpu":
+            for model, fixture in fixtures.items():
+                if path.resolve() == real_model(model).resolve():
+                    cached = request.getfixturevalue(fixture)
+                    return type(cached)(**{**vars(cached), "name": name})
+        return real_load(name, policy)
+
+    load_model.__wrapped__ = real_load
+    monkeypatch.setattr(loading, "load_model", load_model)

@@ -1,0 +1,590 @@
+"""Reliability: bad inputs, run-level errors, internal errors, the silence guard, Ctrl-C.
+
+The CLI runs as a real subprocess (``python -m whisper_cli``) wherever exit codes, the
+stdout/stderr split or the absence of a traceback is what is tested. The bad files are made
+here; the real speech comes from ../shared/audio and is only read (or copied to tmp dirs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import soundfile as sf
+from util import REPO, real_model, shared_clip
+
+from whisper_cli.errors import WhisperCliError
+
+RATE = 16000
+FORMATS = ("txt", "json", "jsonl", "srt", "vtt", "tsv")
+JFK_WORDS = (
+    "and so my fellow americans ask not what your country can do for you "
+    "ask what you can do for your country"
+)
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def run_cli(
+    *args: str | Path, prefix: tuple[str, ...] = (), code: str | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess; ``code`` (Python run first) patches the library in that process."""
+    if code is None:
+        cmd = [*prefix, sys.executable, "-m", "whisper_cli", *map(str, args)]
+    else:
+        boot = "import sys\nsys.argv = ['whisper-cli', *sys.argv[1:]]\n"
+        boot += code + "\nfrom whisper_cli.cli import main\nmain()\n"
+        cmd = [*prefix, sys.executable, "-c", boot, *map(str, args)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("whisper-cli: error: ")]
+
+
+def assert_clean(result: subprocess.CompletedProcess, code: int) -> None:
+    """Exit code as expected, and no Python traceback anywhere."""
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
+
+
+def words(text: str) -> str:
+    kept = "".join(ch.lower() if ch.isalnum() or ch.isspace() else " " for ch in text)
+    return " ".join(kept.split())
+
+
+def write_wav(path: Path, samples: np.ndarray, rate: int = RATE, subtype: str = "FLOAT") -> Path:
+    sf.write(path, samples, rate, subtype=subtype)
+    return path
+
+
+def video_only_mp4(path: Path) -> Path:
+    """One second of video and no audio stream."""
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(10):
+            image = np.full((48, 64, 3), i * 20, dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def drop_file_access_prefix(probe: Path) -> tuple[str, ...] | None:
+    """A command prefix under which a mode-000 file is unreadable, or None if impossible.
+
+    Tests run as root, which reads any file; dropping CAP_DAC_OVERRIDE and
+    CAP_DAC_READ_SEARCH from the bounding set (setpriv) makes root obey file modes, while
+    everything else (root-owned, normal modes) stays readable.
+    """
+    if os.geteuid() != 0:
+        return ()
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    prefix = (setpriv, "--bounding-set", "-dac_override,-dac_read_search")
+    check = subprocess.run([*prefix, "cat", str(probe)], capture_output=True, check=False)
+    return prefix if check.returncode != 0 else None
+
+
+def tiny() -> Path:
+    return real_model("tiny.en")
+
+
+# --- per-input errors: one run, every kind of bad input, the good ones still written --------
+
+
+class BadRun:
+    """One CLI run over good and bad inputs; the tests below each check one bad input."""
+
+    def __init__(self, tmp: Path) -> None:
+        jfk = shared_clip("jfk.flac")
+        stereo = shared_clip("stereo_diarization.wav")
+        self.out = tmp / "out"
+        bad = tmp / "bad"
+        bad.mkdir()
+        (tmp / "no_audio_dir").mkdir()
+        (tmp / "no_audio_dir" / "notes.txt").write_text("not audio\n")
+        (bad / "notes.wav").write_text("these are notes, not a RIFF file\n")
+        data = jfk.read_bytes()
+        (bad / "truncated.flac").write_bytes(data[: len(data) // 4])
+        garbled = bytearray(data)  # header and tail intact, the middle is noise
+        rng = np.random.default_rng(1)
+        garbled[200_000:600_000] = rng.integers(0, 256, 400_000, dtype=np.uint8).tobytes()
+        (bad / "garbled.flac").write_bytes(bytes(garbled))
+        (bad / "empty.wav").write_bytes(b"")
+        write_wav(bad / "header_only.wav", np.zeros(0, np.int16), subtype="PCM_16")
+        write_wav(bad / "short.wav", np.full(800, 0.1, np.float32))  # 0.05 s
+        video_only_mp4(bad / "video_only.mp4")
+        unreadable = write_wav(bad / "unreadable.wav", np.full(RATE, 0.1, np.float32))
+        unreadable.chmod(0)
+        prefix = drop_file_access_prefix(unreadable)
+        self.cases = {
+            "missing": (str(tmp / "missing.wav"), "no such file"),
+            "dir": (str(tmp / "no_audio_dir"), "directory contains no audio files"),
+            "not_audio": (str(bad / "notes.wav"), "not an audio file"),
+            "truncated": (str(bad / "truncated.flac"), "corrupt or truncated audio"),
+            "garbled": (str(bad / "garbled.flac"), "corrupt or truncated audio"),
+            "empty": (str(bad / "empty.wav"), "contains no audio"),
+            "header_only": (str(bad / "header_only.wav"), "contains no audio"),
+            "short": (str(bad / "short.wav"), "audio is too short (0.05 s"),
+            "video_only": (str(bad / "video_only.mp4"), "has no audio stream"),
+        }
+        if prefix is not None:
+            self.cases["unreadable"] = (str(unreadable), "permission denied")
+        self.unreadable_skip = None if prefix is not None else "setpriv cannot drop root's access"
+        paths = [p for p, _ in self.cases.values()]
+        # Good inputs first, in the middle and last: failures must not stop the others.
+        args = [str(jfk), *paths[:4], str(stereo), *paths[4:]]
+        started = time.perf_counter()
+        self.result = run_cli(
+            "transcribe", *args, "--model", tiny(), "-o", self.out, "--format", "all",
+            prefix=prefix or (),
+        )  # fmt: skip
+        self.seconds = time.perf_counter() - started
+
+
+@pytest.fixture(scope="module")
+def bad_run(tmp_path_factory) -> BadRun:
+    return BadRun(tmp_path_factory.mktemp("bad_inputs"))
+
+
+def test_bad_inputs_exit_1_and_good_inputs_are_written(bad_run: BadRun) -> None:
+    assert_clean(bad_run.result, 1)
+    assert len(error_lines(bad_run.result.stderr)) == len(bad_run.cases)
+    assert sorted(p.name for p in bad_run.out.iterdir()) == sorted(
+        f"{stem}.{fmt}" for stem in ("jfk", "stereo_diarization") for fmt in FORMATS
+    )
+    assert words((bad_run.out / "jfk.txt").read_text()) == JFK_WORDS
+    assert "curtain on the left" in (bad_run.out / "stereo_diarization.txt").read_text()
+    assert json.loads((bad_run.out / "jfk.json").read_text())["segments"]
+    assert bad_run.result.stdout == ""  # everything went to --output-dir
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing",
+        "dir",
+        "not_audio",
+        "truncated",
+        "garbled",
+        "empty",
+        "header_only",
+        "short",
+        "unreadable",
+        "video_only",
+    ],
+)
+def test_bad_input_is_named_on_one_line(bad_run: BadRun, case: str) -> None:
+    if case == "unreadable" and bad_run.unreadable_skip:
+        pytest.skip(bad_run.unreadable_skip)
+    path, problem = bad_run.cases[case]
+    lines = [line for line in error_lines(bad_run.result.stderr) if path + ":" in line]
+    assert len(lines) == 1, bad_run.result.stderr
+    assert lines[0].startswith(f"whisper-cli: error: {path}: {problem}"), lines[0]
+    assert_clean(bad_run.result, 1)
+
+
+# --- run-level errors: exit 2 before any work ------------------------------------------------
+
+
+def model_copy(tmp: Path, without: str = "", config: str | None = None) -> Path:
+    """tiny.en with one file left out, or with config.json replaced (links, no copies)."""
+    src = tiny()
+    dst = tmp / f"model_without_{without or 'none'}"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != without and not (config is not None and f.name == "config.json"):
+            (dst / f.name).symlink_to(f)
+    if config is not None:
+        (dst / "config.json").write_text(config)
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("no_tokenizer", "has no tokenizer.json"),
+        ("no_weights", "is missing model weights"),
+        ("bad_weights", "cannot read the weights"),
+        ("malformed_config", "malformed"),
+        ("config_not_whisper", "not a Whisper model"),
+        ("unknown_alias", "unknown model 'tiny.xx'"),
+        ("bad_language", "unknown language 'klingon'"),
+        ("language_for_english_only", "English-only model"),
+        ("cuda_missing", "no CUDA device is available"),
+        ("out_dir_is_file", "exists and is not a directory"),
+    ],
+)
+def test_run_level_error_exits_2_before_work(tmp_path: Path, kind: str, message: str) -> None:
+    if kind == "cuda_missing":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a CUDA device is present")
+    model, extra = str(tiny()), []
+    out = tmp_path / "out"
+    if kind == "no_tokenizer":
+        model = model_copy(tmp_path, without="tokenizer.json")
+    elif kind == "no_weights":
+        model = model_copy(tmp_path, without="model.safetensors")
+    elif kind == "bad_weights":
+        model = model_copy(tmp_path, without="model.safetensors")
+        (model / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    elif kind == "malformed_config":
+        model = model_copy(tmp_path, config='{"d_model": 384,')
+    elif kind == "config_not_whisper":
+        model = model_copy(tmp_path, config='{"model_type": "bert"}')
+    elif kind == "unknown_alias":
+        model = "tiny.xx"
+    elif kind == "bad_language":
+        model, extra = str(real_model("base")), ["--language", "klingon"]
+    elif kind == "language_for_english_only":
+        extra = ["--language", "de"]
+    elif kind == "cuda_missing":
+        extra = ["--device", "cuda"]
+    elif kind == "out_dir_is_file":
+        out.write_text("a file where the output directory should be\n")
+    clip = shared_clip("stereo_diarization.wav")
+    result = run_cli("transcribe", clip, "--model", model, "-o", out, *extra)
+    assert_clean(result, 2)
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("whisper-cli: error: ") and message in lines[-1], result.stderr
+    assert len(error_lines(result.stderr)) == 1
+    assert not out.is_dir()  # nothing was transcribed
+
+
+def test_unwritable_output_dir_is_a_clear_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x\n")
+    out = blocker / "sub"  # its parent is a file: creating it fails at the first write
+    quiet = write_wav(tmp_path / "quiet.wav", np.zeros(RATE, np.float32))  # nothing to decode
+    result = run_cli("transcribe", quiet, "-m", tiny(), "-o", out)
+    assert_clean(result, 2)
+    assert error_lines(result.stderr) == [
+        f"whisper-cli: error: cannot write {out / 'quiet.txt'}: Not a directory"
+    ]
+
+
+def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch) -> None:
+    import torch
+
+    from whisper_cli.dtypes import resolve_policy
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
+    with pytest.raises(WhisperCliError) as info:
+        resolve_policy("bf16", "cuda")
+    assert info.value.exit_code == 2
+    assert "bf16" in info.value.message and "Tesla T4" in info.value.message
+    assert "\n" not in info.value.message
+    # auto picks what the GPU can run; an explicit f16 is accepted as asked.
+    assert resolve_policy("auto", "cuda").dtype == torch.float16
+    assert resolve_policy("f16", "cuda").dtype == torch.float16
+
+
+def test_debug_shows_the_traceback_of_a_run_level_error() -> None:
+    clip = shared_clip("stereo_diarization.wav")
+    plain = run_cli("transcribe", clip, "--model", "tiny.xx")
+    debug = run_cli("transcribe", clip, "--model", "tiny.xx", "--debug")
+    assert_clean(plain, 2)
+    assert debug.returncode == 2
+    assert "Traceback (most recent call last)" in debug.stderr
+    assert "resolve_model" in debug.stderr  # where it was raised
+    assert debug.stderr.strip().splitlines()[-1] == plain.stderr.strip().splitlines()[-1]
+
+
+BOOM = """
+import whisper_cli.inputs as inputs
+
+def boom(*args, **kwargs):
+    raise RuntimeError("something broke\\nsecond line of detail")
+
+inputs.expand_inputs = boom
+"""
+
+
+def test_internal_error_is_one_line_without_debug() -> None:
+    clip = shared_clip("stereo_diarization.wav")
+    result = run_cli("transcribe", clip, "-m", tiny(), "-q", code=BOOM)
+    assert_clean(result, 2)
+    assert result.stderr.strip().splitlines() == [
+        "whisper-cli: internal error: RuntimeError: something broke "
+        "(run with --debug for the traceback)"
+    ]
+    debug = run_cli("transcribe", clip, "-m", tiny(), "-q", "--debug", code=BOOM)
+    assert debug.returncode == 2
+    assert "Traceback (most recent call last)" in debug.stderr
+    assert "in boom" in debug.stderr
+    assert debug.stderr.strip().splitlines()[-1].startswith("whisper-cli: internal error:")
+
+
+# --- silence is not an error; the silence guard drops nothing but non-speech ----------------
+
+
+def test_silent_file_is_an_empty_transcript(tmp_path: Path) -> None:
+    silent = write_wav(tmp_path / "silent.wav", np.zeros(30 * RATE, np.float32))
+    result = run_cli("transcribe", silent, "-m", tiny(), "--format", "json", "-q")
+    assert_clean(result, 0)
+    assert result.stderr == ""
+    data = json.loads(result.stdout)
+    assert data["text"] == "" and data["segments"] == []
+    assert data["duration"] == 30.0
+
+
+_TRANSCRIBERS: dict[str, object] = {}
+
+
+def transcriber(name: str):
+    """One Transcriber per real model for the whole module (loading costs seconds)."""
+    if name not in _TRANSCRIBERS:
+        from whisper_cli.dtypes import resolve_policy
+        from whisper_cli.loading import load_model
+        from whisper_cli.pipeline import TranscribeOptions, Transcriber
+
+        loaded = load_model(str(real_model(name)), resolve_policy("f32", "cpu"))
+        _TRANSCRIBERS[name] = Transcriber(loaded, TranscribeOptions())
+    return _TRANSCRIBERS[name]
+
+
+def guard_spy(monkeypatch, t) -> list[tuple[float, float, bool]]:
+    """Record (no_speech_prob, avg_logprob, judged silent) for every decoded window."""
+    seen: list[tuple[float, float, bool]] = []
+    real = type(t)._is_silent
+
+    def spy(self, no_speech_prob, avg_logprob, tokens):
+        silent = real(self, no_speech_prob, avg_logprob, tokens)
+        seen.append((round(no_speech_prob, 3), round(avg_logprob, 3), silent))
+        return silent
+
+    monkeypatch.setattr(type(t), "_is_silent", spy)
+    return seen
+
+
+def non_speech(kind: str) -> np.ndarray:
+    n = 30 * RATE
+    if kind == "silence":
+        return np.zeros(n, np.float32)
+    if kind == "noise":  # white noise, standard deviation 0.003 (peaks about 0.015)
+        return (np.random.default_rng(0).standard_normal(n) * 0.003).astype(np.float32)
+    if kind == "tone":
+        return (0.3 * np.sin(2 * np.pi * 440.0 * np.arange(n) / RATE)).astype(np.float32)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["silence", "noise", "tone"])
+@pytest.mark.parametrize(
+    "model", ["tiny.en", pytest.param("base", marks=pytest.mark.slow)], ids=["tiny.en", "base"]
+)
+def test_non_speech_gives_empty_text(tmp_path, monkeypatch, model: str, kind: str) -> None:
+    path = write_wav(tmp_path / f"{kind}.wav", non_speech(kind))
+    t = transcriber(model)
+    seen = guard_spy(monkeypatch, t)
+    result = t.transcribe(str(path))
+    print(f"{model} {kind}: (no_speech_prob, avg_logprob, silent) per window: {seen}")
+    assert result.text == "" and result.segments == (), result.segments
+    assert result.duration == 30.0
+    assert all(silent for _, _, silent in seen)  # every decoded window was judged silent
+
+
+@pytest.mark.parametrize(
+    "model", ["tiny.en", pytest.param("base", marks=pytest.mark.slow)], ids=["tiny.en", "base"]
+)
+def test_speech_then_silence_gives_only_the_speech(tmp_path, monkeypatch, model: str) -> None:
+    samples, rate = sf.read(shared_clip("jfk.flac"), dtype="float32")
+    padded = np.concatenate([samples.mean(axis=1), np.zeros(20 * rate, np.float32)])
+    path = write_wav(tmp_path / "jfk_then_silence.wav", padded, rate=rate)
+    t = transcriber(model)
+    result = t.transcribe(str(path))
+    assert words(result.text) == JFK_WORDS
+    assert result.segments[-1].end <= len(samples) / rate + 0.5
+    assert result.duration == pytest.approx(len(padded) / rate, abs=0.01)
+
+
+def check_speech_kept(monkeypatch, model: str, clip: str, expect: str) -> None:
+    t = transcriber(model)
+    seen = guard_spy(monkeypatch, t)
+    result = t.transcribe(str(shared_clip(clip)))
+    print(f"{model} {clip}: (no_speech_prob, avg_logprob, silent) per window: {seen}")
+    windows = -(-result.duration // 30)
+    assert len(seen) >= windows  # every window was decoded (none gated as digital silence)
+    assert not any(silent for _, _, silent in seen)
+    assert expect in words(result.text), result.text
+
+
+@pytest.mark.parametrize(
+    ("clip", "expect"),
+    [
+        ("jfk.flac", JFK_WORDS),
+        ("stereo_diarization.wav", "behind the curtain on the left"),
+        ("hotwords.mp3", "folder again"),
+    ],
+)
+@pytest.mark.parametrize("model", ["tiny.en", "base"])
+def test_silence_guard_keeps_real_speech(monkeypatch, model: str, clip: str, expect: str) -> None:
+    check_speech_kept(monkeypatch, model, clip, expect)
+
+
+@pytest.mark.slow
+def test_silence_guard_keeps_long_multilingual_speech(monkeypatch) -> None:
+    check_speech_kept(monkeypatch, "base", "multilingual.mp3", "permission is hereby granted")
+
+
+# --- interruption and resumption --------------------------------------------------------------
+
+
+def check_complete(path: Path) -> None:
+    """An output file parses as a whole file of its format."""
+    text = path.read_text(encoding="utf-8")
+    fmt = path.suffix[1:]
+    if fmt == "json":
+        assert "text" in json.loads(text)
+    elif fmt == "jsonl":
+        assert text.endswith("\n") and all(json.loads(line) for line in text.splitlines())
+    elif fmt == "vtt":
+        assert text.startswith("WEBVTT\n") and text.endswith("\n")
+    elif fmt == "tsv":
+        assert text.startswith("start\tend\ttext\n") and text.endswith("\n")
+    elif fmt == "srt":
+        assert text.startswith("1\n") and text.endswith("\n") and " --> " in text
+    else:
+        assert text.endswith("\n")
+
+
+def output_state(out: Path) -> dict[str, dict[str, int]]:
+    """{stem: {file name: mtime_ns}}, every file checked complete; no temp file left."""
+    state: dict[str, dict[str, int]] = {}
+    for entry in os.listdir(out):  # listdir: hidden ".name.tmp" files included
+        path = out / entry
+        assert not entry.endswith(".tmp"), f"partial file left: {entry}"
+        check_complete(path)
+        state.setdefault(path.stem, {})[entry] = path.stat().st_mtime_ns
+    return state
+
+
+def test_sigint_mid_run_then_skip_existing_finishes(tmp_path: Path) -> None:
+    inputs, out = tmp_path / "in", tmp_path / "out"
+    inputs.mkdir()
+    for i in range(6):
+        shutil.copy(shared_clip("jfk.flac"), inputs / f"jfk{i}.flac")
+    shutil.copy(shared_clip("stereo_diarization.wav"), inputs / "stereo.wav")
+    args = ["transcribe", str(inputs), "-m", str(tiny()), "--batch-size", "1"]
+    args += ["-o", str(out), "--format", "all"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "whisper_cli", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    # Formats are written in FORMATS order: a .tsv means one input is wholly written.
+    while not (out.is_dir() and any(p.suffix == ".tsv" for p in out.iterdir())):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no output appeared"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert stdout == ""  # everything went to --output-dir
+    assert stderr.strip().splitlines()[-1].startswith("whisper-cli: interrupted")
+    first = output_state(out)
+    done = {stem: files for stem, files in first.items() if len(files) == len(FORMATS)}
+    assert 1 <= len(done) < 7, sorted(first)
+
+    second = run_cli(*args, "--skip-existing")
+    assert_clean(second, 0)
+    assert f"skipping {len(done)} input(s)" in second.stderr
+    final = output_state(out)
+    assert sorted(final) == sorted([*(f"jfk{i}" for i in range(6)), "stereo"])
+    assert all(len(files) == len(FORMATS) for files in final.values())
+    for stem, files in done.items():
+        assert final[stem] == files, f"{stem} was redone"
+    for i in range(6):
+        assert words((out / f"jfk{i}.txt").read_text()) == JFK_WORDS
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_each_input_is_handed_over_as_soon_as_it_is_decoded(monkeypatch, batch_size) -> None:
+    """Outputs appear input by input (what makes Ctrl-C lose only unfinished work)."""
+    from whisper_cli.pipeline import TranscribeOptions, Transcriber
+
+    loaded = transcriber("tiny.en").loaded
+    t = Transcriber(loaded, TranscribeOptions(batch_size=batch_size))
+    events: list[str] = []
+    real = t.decoder.decode
+
+    def decode(features, languages):
+        events.append(f"decode {features.shape[0]}")
+        return real(features, languages)
+
+    monkeypatch.setattr(t.decoder, "decode", decode)
+    clip = str(shared_clip("stereo_diarization.wav"))
+    t.run([clip] * 3, lambda r: events.append("result"), pytest.fail)
+    expected = {
+        1: ["decode 1", "result"] * 3,
+        2: ["decode 2", "result", "result", "decode 1", "result"],
+    }
+    assert events == expected[batch_size]
+
+
+SIGINT_AT = {
+    # The signal arrives while the checkpoint is being read.
+    "load": """
+import os, signal
+import whisper_cli.loading as loading
+real = loading.read_checkpoint
+def read_checkpoint(path):
+    os.kill(os.getpid(), signal.SIGINT)
+    return real(path)
+loading.read_checkpoint = read_checkpoint
+""",
+    # The signal arrives at the third token step of the first batch.
+    "decode": """
+import os, signal
+import whisper_cli.decoding as decoding
+real = decoding.GreedyDecoder.decode
+def decode(self, *args, **kwargs):
+    step, calls = self.step, []
+    def counted(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return step(*a, **k)
+    self.step = counted
+    return real(self, *args, **kwargs)
+decoding.GreedyDecoder.decode = decode
+""",
+}
+
+
+@pytest.mark.parametrize("when", ["load", "decode"])
+def test_sigint_during_load_or_decode_exits_130(tmp_path: Path, when: str) -> None:
+    out = tmp_path / "out"
+    clip = shared_clip("jfk.flac")
+    result = run_cli("transcribe", clip, "-m", tiny(), "-o", out, "-q", code=SIGINT_AT[when])
+    assert_clean(result, 130)
+    assert result.stderr.strip().splitlines() == [
+        "whisper-cli: interrupted; finished outputs are complete, no partial file left"
+    ]
+    assert not out.exists() or os.listdir(out) == []
