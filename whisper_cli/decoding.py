@@ -85,6 +85,7 @@ class GreedyDecoder:
             last_initial = ts_begin + round(options.max_initial_timestamp / 0.02)
             self.begin_suppress |= (vocab < ts_begin) | (vocab > last_initial)
         self._batch = -1
+        self._filled_from: torch.Tensor | None = None  # encoder output the cross caches hold
 
     def _mask(self, ids: tuple[int, ...]) -> torch.Tensor:
         mask = torch.zeros_like(self.vocab, dtype=torch.bool)
@@ -99,12 +100,16 @@ class GreedyDecoder:
         return self.model.encoder(encoder_input(mel, self.model.dtype))
 
     def _prepare(self, audio_features: torch.Tensor) -> None:
+        """Caches for this batch: allocated when the batch shape changes, cross K/V filled once."""
         b, s, _ = audio_features.shape
         caches = self.model.decoder.caches()
         if b != self._batch or len(caches) == 0 or caches[0].k.shape[0] != b:
             self.model.decoder.setup_caches(b, self.cache_len, s)
             self._batch = b
-        self.model.decoder.fill_cross_caches(audio_features)
+            self._filled_from = None
+        if self._filled_from is not audio_features:  # language detection filled them already
+            self.model.decoder.fill_cross_caches(audio_features)
+            self._filled_from = audio_features
 
     # -- language detection ---------------------------------------------------------
 
