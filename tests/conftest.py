@@ -13,8 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from tests.util import real_model
+from util import real_model
 
 
 def _load(name: str):

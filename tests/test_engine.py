@@ -165,3 +165,18 @@ def test_log_mel_matches_feature_extractor_80_and_128():
         got = log_mel(torch.from_numpy(audio)[None], n_mels).numpy()
         assert got.shape == expected.shape == (1, n_mels, 3000)
         assert np.abs(got - expected).max() < 1e-4
+
+
+def test_decoders_with_other_cache_lengths_share_one_model(random_dirs):
+    """Caches follow each decoder's shape (prompt + max_new_tokens), not the last one's."""
+    ours = load_model(str(random_dirs), F32)
+    mel = random_mel(ours.config.num_mel_bins)
+    language = "en" if ours.tokenizer.is_multilingual else None
+    short = GreedyDecoder(ours, DecodeOptions(timestamps=False, max_new_tokens=4))
+    long = GreedyDecoder(ours, DecodeOptions(timestamps=False, max_new_tokens=16))
+    with torch.inference_mode():
+        features = long.encode(mel)
+        first = long.decode(features, [language] * 2)
+        short.decode(features, [language] * 2)
+        again = long.decode(features, [language] * 2)
+    assert [r.tokens for r in again] == [r.tokens for r in first]

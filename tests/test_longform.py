@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 from typer.testing import CliRunner
+from util import manifest, real_model, shared_clip
 from whisper_normalizer.basic import BasicTextNormalizer
 from whisper_normalizer.english import EnglishTextNormalizer
 
-from tests.util import manifest, real_model, shared_clip
 from whisper_cli.audio import SAMPLE_RATE, load_audio, open_audio
 from whisper_cli.cli import app
 from whisper_cli.results import Segment
@@ -207,6 +207,37 @@ def test_long_form_matches_clips_on_their_own(
     assert abs(hyp_words - ref_words) <= 0.02 * ref_words, (hyp_words, ref_words)
     assert_segments_sane(result.segments, long_form["duration"])
     assert result.duration == pytest.approx(long_form["duration"], abs=1e-3)
+
+
+def test_speech_after_an_early_end_is_decoded_again(tiny_en, transcriber) -> None:
+    """A single closing timestamp (`<|0.00|> text <|3.00|>` end) claims no more speech.
+
+    After a pause the model often says so wrongly, and what follows was lost (the
+    long-form test dropped whole utterances): the remainder is decoded again when it
+    holds sound, and not when it is quiet.
+    """
+    from whisper_cli.windows import Window
+
+    t = transcriber(tiny_en)
+    ts = tiny_en.tokenizer.special.timestamp_begin
+    text = tuple(tiny_en.tokenizer.encode_text(" The horizon seems extremely distant."))
+    jfk = load_audio(shared_clip("jfk.flac"))
+    head, speech = jfk[: 3 * SAMPLE_RATE], jfk[3 * SAMPLE_RATE : 10 * SAMPLE_RATE]
+    single = (ts, *text, ts + 150)  # ends at 3.00 s
+    pair = (*single, ts + 150)
+
+    def window(after: np.ndarray) -> Window:
+        return Window(source=0, index=2, start=60.0, audio=np.concatenate([head, after]))
+
+    tail = t._tail(window(speech), single)
+    assert tail is not None and tail.start == pytest.approx(63.0)
+    assert np.array_equal(tail.audio, speech)
+    assert t._tail(window(np.zeros_like(speech)), single) is None  # silence: nothing to do
+    assert t._tail(window(1e-4 * speech), single) is None  # 80 dB below: noise floor
+    silent = Window(source=0, index=0, start=0.0, audio=np.zeros(10 * SAMPLE_RATE, np.float32))
+    assert t._tail(silent, single) is None
+    assert t._tail(window(np.zeros_like(speech)), pair) is not None  # model expects more
+    assert t._tail(window(speech[: SAMPLE_RATE // 2]), single) is None  # too short to bother
 
 
 # --- 3. batching changes nothing -------------------------------------------------------------

@@ -349,19 +349,16 @@ def test_silent_file_is_an_empty_transcript(tmp_path: Path) -> None:
     assert data["duration"] == 30.0
 
 
-_TRANSCRIBERS: dict[str, object] = {}
+@pytest.fixture
+def default_transcriber(request):
+    """`default_transcriber(name, **options)` over the session's real model (conftest)."""
+    from whisper_cli.pipeline import TranscribeOptions, Transcriber
 
+    def make(name: str, **options):
+        loaded = request.getfixturevalue("tiny_en" if name == "tiny.en" else "base_model")
+        return Transcriber(loaded, TranscribeOptions(**options))
 
-def transcriber(name: str):
-    """One Transcriber per real model for the whole module (loading costs seconds)."""
-    if name not in _TRANSCRIBERS:
-        from whisper_cli.dtypes import resolve_policy
-        from whisper_cli.loading import load_model
-        from whisper_cli.pipeline import TranscribeOptions, Transcriber
-
-        loaded = load_model(str(real_model(name)), resolve_policy("f32", "cpu"))
-        _TRANSCRIBERS[name] = Transcriber(loaded, TranscribeOptions())
-    return _TRANSCRIBERS[name]
+    return make
 
 
 def guard_spy(monkeypatch, t) -> list[tuple[float, float, bool]]:
@@ -390,12 +387,12 @@ def non_speech(kind: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind", ["silence", "noise", "tone"])
-@pytest.mark.parametrize(
-    "model", ["tiny.en", pytest.param("base", marks=pytest.mark.slow)], ids=["tiny.en", "base"]
-)
-def test_non_speech_gives_empty_text(tmp_path, monkeypatch, model: str, kind: str) -> None:
+@pytest.mark.parametrize("model", ["tiny.en", "base"])
+def test_non_speech_gives_empty_text(
+    tmp_path, monkeypatch, default_transcriber, model: str, kind: str
+) -> None:
     path = write_wav(tmp_path / f"{kind}.wav", non_speech(kind))
-    t = transcriber(model)
+    t = default_transcriber(model)
     seen = guard_spy(monkeypatch, t)
     result = t.transcribe(str(path))
     print(f"{model} {kind}: (no_speech_prob, avg_logprob, silent) per window: {seen}")
@@ -404,22 +401,19 @@ def test_non_speech_gives_empty_text(tmp_path, monkeypatch, model: str, kind: st
     assert all(silent for _, _, silent in seen)  # every decoded window was judged silent
 
 
-@pytest.mark.parametrize(
-    "model", ["tiny.en", pytest.param("base", marks=pytest.mark.slow)], ids=["tiny.en", "base"]
-)
-def test_speech_then_silence_gives_only_the_speech(tmp_path, monkeypatch, model: str) -> None:
+@pytest.mark.parametrize("model", ["tiny.en", "base"])
+def test_speech_then_silence_gives_only_the_speech(tmp_path, default_transcriber, model) -> None:
     samples, rate = sf.read(shared_clip("jfk.flac"), dtype="float32")
     padded = np.concatenate([samples.mean(axis=1), np.zeros(20 * rate, np.float32)])
     path = write_wav(tmp_path / "jfk_then_silence.wav", padded, rate=rate)
-    t = transcriber(model)
+    t = default_transcriber(model)
     result = t.transcribe(str(path))
     assert words(result.text) == JFK_WORDS
     assert result.segments[-1].end <= len(samples) / rate + 0.5
     assert result.duration == pytest.approx(len(padded) / rate, abs=0.01)
 
 
-def check_speech_kept(monkeypatch, model: str, clip: str, expect: str) -> None:
-    t = transcriber(model)
+def check_speech_kept(monkeypatch, t, model: str, clip: str, expect: str) -> None:
     seen = guard_spy(monkeypatch, t)
     result = t.transcribe(str(shared_clip(clip)))
     print(f"{model} {clip}: (no_speech_prob, avg_logprob, silent) per window: {seen}")
@@ -438,13 +432,16 @@ def check_speech_kept(monkeypatch, model: str, clip: str, expect: str) -> None:
     ],
 )
 @pytest.mark.parametrize("model", ["tiny.en", "base"])
-def test_silence_guard_keeps_real_speech(monkeypatch, model: str, clip: str, expect: str) -> None:
-    check_speech_kept(monkeypatch, model, clip, expect)
+def test_silence_guard_keeps_real_speech(
+    monkeypatch, default_transcriber, model: str, clip: str, expect: str
+) -> None:
+    check_speech_kept(monkeypatch, default_transcriber(model), model, clip, expect)
 
 
 @pytest.mark.slow
-def test_silence_guard_keeps_long_multilingual_speech(monkeypatch) -> None:
-    check_speech_kept(monkeypatch, "base", "multilingual.mp3", "permission is hereby granted")
+def test_silence_guard_keeps_long_multilingual_speech(monkeypatch, default_transcriber) -> None:
+    t = default_transcriber("base")
+    check_speech_kept(monkeypatch, t, "base", "multilingual.mp3", "permission is hereby granted")
 
 
 # --- interruption and resumption --------------------------------------------------------------
@@ -479,6 +476,7 @@ def output_state(out: Path) -> dict[str, dict[str, int]]:
     return state
 
 
+@pytest.mark.slow  # two CLI runs over 7 inputs: 45-85 s on the shared 2-core machine
 def test_sigint_mid_run_then_skip_existing_finishes(tmp_path: Path) -> None:
     inputs, out = tmp_path / "in", tmp_path / "out"
     inputs.mkdir()
@@ -525,12 +523,11 @@ def test_sigint_mid_run_then_skip_existing_finishes(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("batch_size", [1, 2])
-def test_each_input_is_handed_over_as_soon_as_it_is_decoded(monkeypatch, batch_size) -> None:
+def test_each_input_is_handed_over_as_soon_as_it_is_decoded(monkeypatch, tiny_en, batch_size):
     """Outputs appear input by input (what makes Ctrl-C lose only unfinished work)."""
     from whisper_cli.pipeline import TranscribeOptions, Transcriber
 
-    loaded = transcriber("tiny.en").loaded
-    t = Transcriber(loaded, TranscribeOptions(batch_size=batch_size))
+    t = Transcriber(tiny_en, TranscribeOptions(batch_size=batch_size))
     events: list[str] = []
     real = t.decoder.decode
 
@@ -559,6 +556,24 @@ def read_checkpoint(path):
     return real(path)
 loading.read_checkpoint = read_checkpoint
 """,
+    # The signal arrives inside a libsndfile read callback (cffi swallows exceptions there)
+    # while the audio is decoded: the run must still stop, without writing the transcript.
+    "read": """
+import io, os, signal
+import whisper_cli.audio as audio
+class Interrupting(io.FileIO):
+    calls = 0
+    def tell(self):
+        Interrupting.calls += 1
+        if Interrupting.calls == 100:  # about 20 calls open the file, 270 decode it
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().tell()
+real = audio._file_opener
+def _file_opener(name):
+    real(name)
+    return lambda: Interrupting(name, "rb")
+audio._file_opener = _file_opener
+""",
     # The signal arrives at the third token step of the first batch.
     "decode": """
 import os, signal
@@ -578,7 +593,7 @@ decoding.GreedyDecoder.decode = decode
 }
 
 
-@pytest.mark.parametrize("when", ["load", "decode"])
+@pytest.mark.parametrize("when", ["load", "read", "decode"])
 def test_sigint_during_load_or_decode_exits_130(tmp_path: Path, when: str) -> None:
     out = tmp_path / "out"
     clip = shared_clip("jfk.flac")

@@ -179,6 +179,7 @@ def _transcribe(**a) -> int:
     if a["inputs"].count("-") > 1:
         raise WhisperCliError("stdin (-) can be given only once")
     plan = OutputPlan.make(a["fmt"].value, a["output_dir"], len(paths) + len(input_errors))
+    plan.check_distinct(paths)
     if a["skip_existing"]:
         if a["output_dir"] is None:
             raise WhisperCliError("--skip-existing needs --output-dir")

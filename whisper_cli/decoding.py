@@ -84,8 +84,6 @@ class GreedyDecoder:
             # First token: a timestamp no later than max_initial_timestamp.
             last_initial = ts_begin + round(options.max_initial_timestamp / 0.02)
             self.begin_suppress |= (vocab < ts_begin) | (vocab > last_initial)
-        self._batch = -1
-        self._filled_from: torch.Tensor | None = None  # encoder output the cross caches hold
 
     def _mask(self, ids: tuple[int, ...]) -> torch.Tensor:
         mask = torch.zeros_like(self.vocab, dtype=torch.bool)
@@ -100,16 +98,22 @@ class GreedyDecoder:
         return self.model.encoder(encoder_input(mel, self.model.dtype))
 
     def _prepare(self, audio_features: torch.Tensor) -> None:
-        """Caches for this batch: allocated when the batch shape changes, cross K/V filled once."""
+        """Caches for this batch: allocated when their shape changes, cross K/V filled once.
+
+        The caches live on the model, which several decoders (other prompt lengths or
+        max_new_tokens) may share, so their actual shapes decide.
+        """
         b, s, _ = audio_features.shape
-        caches = self.model.decoder.caches()
-        if b != self._batch or len(caches) == 0 or caches[0].k.shape[0] != b:
-            self.model.decoder.setup_caches(b, self.cache_len, s)
-            self._batch = b
-            self._filled_from = None
-        if self._filled_from is not audio_features:  # language detection filled them already
-            self.model.decoder.fill_cross_caches(audio_features)
-            self._filled_from = audio_features
+        decoder = self.model.decoder
+        caches = decoder.caches()
+        if (
+            not caches
+            or caches[0].k.shape[:3] != (b, decoder.heads, self.cache_len)
+            or (caches[1].k.shape[2] != s)
+        ):
+            decoder.setup_caches(b, self.cache_len, s)
+        if decoder.cross_source is not audio_features:  # detection may have filled them
+            decoder.fill_cross_caches(audio_features)
 
     # -- language detection ---------------------------------------------------------
 
@@ -182,7 +186,6 @@ class GreedyDecoder:
                     rows, next_tokens = rows[keep], next_tokens[keep]
                     state = state.select(keep)
                     self.model.decoder.keep_rows(keep)
-                    self._batch = -1  # caches no longer have the full batch
             logits = self.step(next_tokens[:, None], positions[i : i + 1])[:, -1]
 
         sum_logprob[rows] = state.sum_logprob

@@ -94,7 +94,12 @@ def resolve_policy(name: str, device: str | torch.device | None = None) -> Dtype
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise WhisperCliError(f"invalid device {device!r}; use auto, cpu, cuda or cuda:N") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise WhisperCliError(f"unsupported device {device!r}; use auto, cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise WhisperCliError("--device cuda was asked for but no CUDA device is available")
     return dev

@@ -151,6 +151,7 @@ class Decoder(nn.Module):
             DecoderLayer(c, self.heads, cfg.decoder_ffn_dim) for _ in range(cfg.decoder_layers)
         )
         self.layer_norm = nn.LayerNorm(c)
+        self.cross_source: torch.Tensor | None = None  # encoder output the cross caches hold
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode step (or the prompt): tokens (B, T) at positions (T,) -> logits (B, T, V).
@@ -178,15 +179,18 @@ class Decoder(nn.Module):
             layer.encoder_attn.kv_cache = KVCache(
                 batch, self.heads, audio_frames, head_dim, w.dtype, w.device
             )
+        self.cross_source = None
 
     def fill_cross_caches(self, audio: torch.Tensor) -> None:
         for layer in self.layers:
             layer.encoder_attn.fill_cross(audio)
+        self.cross_source = audio
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         for layer in self.layers:
             layer.self_attn.kv_cache.keep_rows(rows)
             layer.encoder_attn.kv_cache.keep_rows(rows)
+        self.cross_source = None  # they no longer hold the whole batch
 
     def caches(self) -> list[KVCache]:
         return [

@@ -43,6 +43,24 @@ class OutputPlan:
         assert self.output_dir is not None
         return [output_path(self.output_dir, input_path, f) for f in self.formats]
 
+    def check_distinct(self, input_paths: list[str]) -> None:
+        """Refuse two inputs whose outputs share a name (a/x.wav and a/sub/x.mp3 -> x.txt).
+
+        One would silently overwrite the other; naming the same file twice is harmless.
+        """
+        if self.output_dir is None:
+            return
+        seen: dict[Path, str] = {}
+        for input_path in input_paths:
+            target = self.paths(input_path)[0]
+            other = seen.setdefault(target, input_path)
+            if other != input_path and not _same_file(other, input_path):
+                raise WhisperCliError(
+                    f"{other} and {input_path} would both be written to "
+                    f"{target.with_suffix('.*') if len(self.formats) > 1 else target}; "
+                    "rename one or transcribe them in separate runs"
+                )
+
     def is_done(self, input_path: str) -> bool:
         """All outputs of this input exist already (for --skip-existing)."""
         return self.output_dir is not None and all(p.exists() for p in self.paths(input_path))
@@ -64,3 +82,10 @@ class OutputPlan:
                 raise WhisperCliError(f"cannot write {path}: {exc.strerror or exc}") from exc
             written.append(path)
         return written
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return Path(a).samefile(b)
+    except OSError:  # missing (reported later as an input error) or stdin
+        return False

@@ -33,9 +33,11 @@ MIN_TAIL_SECONDS = 1.0  # shorter untranscribed remainders of a window are not r
 # no audible signal; the model still writes text for it (" you"), so it is not decoded.
 SILENCE_PEAK = 1e-4
 # A remainder the model called speechless (single closing timestamp) is decoded again when
-# at least TAIL_SOUND_SECONDS of it is within TAIL_SOUND_DB of the window's loud level.
+# at least TAIL_SOUND_SECONDS of it is within TAIL_SOUND_DB of the window's loud level
+# (and above TAIL_SILENCE_DBFS: digital silence is never worth decoding).
 TAIL_SOUND_DB = 25.0
 TAIL_SOUND_SECONDS = 0.25
+TAIL_SILENCE_DBFS = -70.0
 
 
 @dataclass(frozen=True)
@@ -223,7 +225,7 @@ class Transcriber:
 
     # -- decoding --------------------------------------------------------------------
 
-    def _decode_batch(self, inputs: list[_Input], batch: list[Window]) -> None:
+    def _decode_batch(self, inputs: list[_Input], batch: list[Window]) -> list[Window]:
         batch = [w for w in batch if w.audio.size and np.abs(w.audio).max() >= SILENCE_PEAK]
         if not batch:  # digital silence only: nothing to decode
             return []
@@ -361,7 +363,7 @@ def _has_sound(audio: np.ndarray, start: int) -> bool:
         return False
     power = np.square(audio[: n * frame], dtype=np.float64).reshape(n, frame).mean(axis=1)
     level = 10 * np.log10(power + 1e-10)
-    loud = np.percentile(level, 95)
+    threshold = max(np.percentile(level, 95) - TAIL_SOUND_DB, TAIL_SILENCE_DBFS)
     after = level[-(-start // frame) :]  # frames that start at or after `start`
-    loud_frames = np.count_nonzero(after > loud - TAIL_SOUND_DB)
+    loud_frames = np.count_nonzero(after > threshold)
     return bool(loud_frames * frame >= TAIL_SOUND_SECONDS * SAMPLE_RATE)

@@ -86,6 +86,7 @@ def run_reference(
         ) from exc
 
     transformers.logging.set_verbosity_error()  # its generate() warns on every batch
+    transformers.utils.logging.disable_progress_bar()
     model = WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)
     model = model.to(device).eval()
     extractor = _feature_extractor(WhisperFeatureExtractor, model_dir, model.config.num_mel_bins)

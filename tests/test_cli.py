@@ -1,0 +1,522 @@
+"""The command line: shell use in a real subprocess, then every option of `transcribe`.
+
+In-process runs go through Typer's CliRunner; `cached_cli_models` lets them reuse the
+session's models/tiny.en and models/base (the CLI still resolves the name, builds its
+Transcriber and renders output itself). Tests about finding a model load it for real.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+import soundfile as sf
+from test_formats import assert_monotonic, parse_srt, parse_vtt
+from test_longform import clip, count_phrase, english, wer
+from typer.testing import CliRunner
+from util import REPO, real_model, shared_clip
+
+from whisper_cli.cli import app
+from whisper_cli.formats import FORMATS
+
+JFK_PHRASE = "ask not what your country can do for you"
+
+
+def tiny() -> str:
+    return str(real_model("tiny.en"))
+
+
+def jfk() -> str:
+    return str(shared_clip("jfk.flac"))
+
+
+def cli(*args: str):
+    """`whisper-cli ARGS` in-process; stdout and stderr kept apart."""
+    return CliRunner().invoke(app, list(args))
+
+
+def transcribe(*args: str):
+    """`whisper-cli transcribe ARGS`, which must succeed."""
+    result = cli("transcribe", *args)
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    return result
+
+
+def usage_error(result, *words: str) -> None:
+    """Exit 2 with one `whisper-cli: error:` line that mentions every word."""
+    assert result.exit_code == 2, (result.stdout, result.stderr, result.exception)
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    text = re.sub(r"\s+", " ", result.stderr)
+    for word in words:
+        assert word in text, (word, result.stderr)
+
+
+# --- shell use: the installed console script in a subprocess ---------------------------------
+
+
+def whisper_cli_command() -> list[str]:
+    script = Path(sys.executable).with_name("whisper-cli")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "whisper_cli"]
+
+
+def shell(command: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command, shell=True, capture_output=True, text=True, timeout=600, cwd=REPO, **kwargs
+    )
+
+
+@pytest.fixture(scope="module")
+def jfk_txt(tiny_en) -> str:
+    """jfk.flac with tiny.en as the txt format prints it (in-process, for comparison)."""
+    from whisper_cli.formats import render
+    from whisper_cli.pipeline import TranscribeOptions, Transcriber
+
+    return render(Transcriber(tiny_en, TranscribeOptions()).transcribe(jfk()), "txt")
+
+
+def test_stdin_pipe_prints_only_the_transcript(jfk_txt: str) -> None:
+    exe = shlex.join(whisper_cli_command())
+    proc = shell(
+        f"cat {shlex.quote(jfk())} | {exe} transcribe - --format txt --model {shlex.quote(tiny())}"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == jfk_txt  # the same bytes as reading the file; nothing else
+    assert JFK_PHRASE in english(proc.stdout)
+    assert "whisper-cli: model" in proc.stderr  # logs go to stderr
+
+
+def test_jsonl_over_three_inputs_is_three_json_lines() -> None:
+    names = ["jfk.flac", "hotwords.mp3", "stereo_diarization.wav"]
+    paths = [str(shared_clip(n)) for n in names]
+    proc = subprocess.run(
+        [*whisper_cli_command(), "transcribe", *paths, "-f", "jsonl", "-m", tiny(), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 3
+    records = {r["path"]: r for r in map(json.loads, lines)}
+    assert set(records) == set(paths)
+    assert JFK_PHRASE in english(records[paths[0]]["text"])
+    for record in records.values():
+        assert record["model"] == tiny() and record["dtype"] == "f32"
+        assert record["segments"] and record["duration"] > 3
+
+
+def test_format_all_writes_every_format_that_parses(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    paths = [jfk(), str(shared_clip("hotwords.mp3"))]
+    proc = subprocess.run(
+        [*whisper_cli_command(), "transcribe", *paths, "-f", "all", "-o", str(out), "-m", tiny()],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        f"{stem}.{fmt}" for stem in ("jfk", "hotwords") for fmt in FORMATS
+    )
+    for stem in ("jfk", "hotwords"):
+        txt = (out / f"{stem}.txt").read_text()
+        record = json.loads((out / f"{stem}.json").read_text())
+        assert json.loads((out / f"{stem}.jsonl").read_text()) == record
+        for fmt, parse in (("srt", parse_srt), ("vtt", parse_vtt)):
+            cues = parse((out / f"{stem}.{fmt}").read_text())
+            assert_monotonic(cues)
+            assert [text for _, _, text in cues] == txt.splitlines()
+            assert cues[-1][1] <= record["duration"] * 1000
+            assert [(s, e) for s, e, _ in cues] == [
+                (round(s["start"] * 1000), round(s["end"] * 1000)) for s in record["segments"]
+            ]
+        tsv = (out / f"{stem}.tsv").read_text().splitlines()
+        assert tsv[0] == "start\tend\ttext" and [r.split("\t")[2] for r in tsv[1:]] == (
+            txt.splitlines()
+        )
+    assert JFK_PHRASE in english((out / "jfk.txt").read_text())
+
+
+def test_help_is_fast_and_does_not_import_torch() -> None:
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        proc = subprocess.run([*whisper_cli_command(), "--help"], capture_output=True, text=True)
+        best = min(best, time.perf_counter() - started)
+        assert proc.returncode == 0 and "transcribe" in proc.stdout
+    assert best < 1.0, f"whisper-cli --help took {best:.2f} s"
+    code = (
+        "import sys\n"
+        "import whisper_cli.cli as cli\n"
+        "assert 'torch' not in sys.modules\n"
+        "for args in (['--help'], ['transcribe', '--help']):\n"
+        "    try:\n"
+        "        cli.app(args)\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, e.code\n"
+        "heavy = {'torch', 'numpy', 'soundfile', 'av', 'tokenizers'} & set(sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "--initial-prompt" in proc.stdout
+
+
+# --- --model ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[dict]:
+    """The hub is never reached: snapshot_download fails (offline) and records its calls."""
+    calls: list[dict] = []
+
+    def snapshot_download(repo_id: str, **kwargs):
+        calls.append({"repo_id": repo_id, **kwargs})
+        raise OSError("offline: no network in this test")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.delenv("WHISPER_CLI_MODELS", raising=False)
+    monkeypatch.setenv("WHISPER_CLI_HOME", str(tmp_path / "home"))
+    return calls
+
+
+def test_model_alias_resolves_to_the_models_folder(
+    no_hub: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_model("tiny.en")
+    monkeypatch.chdir(REPO)
+    result = transcribe(jfk(), "--model", "tiny.en")
+    assert "model tiny.en (models/tiny.en)" in result.stderr
+    assert JFK_PHRASE in english(result.stdout)
+    assert no_hub == []  # found in ./models without asking the hub
+
+
+def test_unknown_alias_is_a_usage_error(no_hub: list) -> None:
+    usage_error(
+        cli("transcribe", jfk(), "--model", "tiny.xx"), "unknown model 'tiny.xx'", "tiny.en"
+    )
+    assert no_hub == []
+
+
+@pytest.mark.parametrize(
+    ("name", "repo"),
+    [("someone/whisper-nothing", "someone/whisper-nothing"), ("small", "openai/whisper-small")],
+)
+def test_model_not_cached_and_not_downloadable(
+    name: str, repo: str, no_hub: list, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)  # no ./models/small here
+    usage_error(cli("transcribe", jfk(), "--model", name), repo, "--model DIR", "make models")
+    # The cache is asked first, then a download is tried.
+    assert [c["local_files_only"] for c in no_hub][:1] == [True]
+    assert False in [c["local_files_only"] for c in no_hub]
+
+
+def test_model_from_the_hub_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def snapshot_download(repo_id: str, **kwargs):
+        calls.append((repo_id, kwargs))
+        return tiny()  # what the hub cache would hold
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    result = transcribe(jfk(), "--model", "openai/whisper-tiny.en", "-f", "json")
+    assert calls[0][0] == "openai/whisper-tiny.en" and calls[0][1]["local_files_only"] is True
+    assert len(calls) == 1
+    record = json.loads(result.stdout)
+    assert record["model"] == "openai/whisper-tiny.en"
+    assert JFK_PHRASE in english(record["text"])
+
+
+# --- --dtype and --device ---------------------------------------------------------------------
+
+
+def test_dtype_bf16_runs_in_bf16_and_transcribes() -> None:
+    result = transcribe(jfk(), "-m", tiny(), "--dtype", "bf16", "-f", "json", "-q")
+    record = json.loads(result.stdout)
+    assert record["dtype"] == "bf16"
+    assert wer(clip("jfk.flac")["reference"], record["text"]) <= 0.1
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_dtype_f32_device_cpu_compile_off() -> None:
+    args = ("--dtype", "f32", "--device", "cpu", "--compile", "off", "-f", "json")
+    result = transcribe(jfk(), "-m", tiny(), *args)
+    assert json.loads(result.stdout)["dtype"] == "f32"
+    assert "dtype f32, device cpu" in result.stderr
+
+
+def test_bad_dtype_and_missing_cuda_are_usage_errors() -> None:
+    result = cli("transcribe", jfk(), "-m", tiny(), "--dtype", "f8")
+    assert result.exit_code == 2 and "f8" in result.stderr
+    import torch
+
+    if not torch.cuda.is_available():
+        usage_error(cli("transcribe", jfk(), "-m", tiny(), "--device", "cuda"), "no CUDA device")
+
+
+# --- --language, --task, --multilingual -------------------------------------------------------
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_language_checks() -> None:
+    result = transcribe(jfk(), "-m", tiny(), "--language", "en", "--multilingual")
+    assert JFK_PHRASE in english(result.stdout)
+    usage_error(cli("transcribe", jfk(), "-m", tiny(), "--language", "de"), "English-only", "'de'")
+    usage_error(
+        cli("transcribe", jfk(), "-m", str(real_model("base")), "-l", "xx"),
+        "unknown language 'xx'",
+    )
+    usage_error(
+        cli("transcribe", jfk(), "-m", tiny(), "--task", "translate"), "English-only", "translate"
+    )
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_base_reports_the_detected_language() -> None:
+    result = transcribe(jfk(), "-m", str(real_model("base")), "-f", "json")
+    record = json.loads(result.stdout)
+    assert record["language"] == "en" and record["language_probability"] > 0.5
+    assert re.search(r"jfk\.flac: language en \(p=0\.\d\d\)", result.stderr)
+    assert JFK_PHRASE in english(record["text"])
+
+
+# --- decoding options ---------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_no_timestamps_gives_one_segment_with_the_same_words() -> None:
+    timed = json.loads(transcribe(jfk(), "-m", tiny(), "-f", "json").stdout)
+    plain = json.loads(transcribe(jfk(), "-m", tiny(), "-f", "json", "--no-timestamps").stdout)
+    assert len(timed["segments"]) >= 2
+    assert [(s["start"], s["end"]) for s in plain["segments"]] == [(0.0, 11.0)]
+    assert english(plain["text"]) == english(timed["text"])
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_batch_size_option() -> None:
+    paths = [jfk(), str(shared_clip("hotwords.mp3")), str(shared_clip("stereo_diarization.wav"))]
+    outputs = {
+        size: transcribe(*paths, "-m", tiny(), "-f", "jsonl", "--batch-size", size).stdout
+        for size in ("1", "2", "16")
+    }
+
+    def texts(stdout: str) -> dict:
+        return {r["path"]: r["text"] for r in map(json.loads, stdout.splitlines())}
+
+    assert texts(outputs["1"]) == texts(outputs["2"]) == texts(outputs["16"])
+    assert len(texts(outputs["1"])) == 3
+    result = cli("transcribe", jfk(), "-m", tiny(), "--batch-size", "0")
+    assert result.exit_code == 2
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_max_new_tokens_truncates_each_window() -> None:
+    full = english(transcribe(jfk(), "-m", tiny()).stdout)
+    short = english(transcribe(jfk(), "-m", tiny(), "--max-new-tokens", "5").stdout)
+    # One token is the opening timestamp; the other four are the first words.
+    assert short and full.startswith(short)
+    assert 2 <= len(short.split()) <= 4
+    assert cli("transcribe", jfk(), "-m", tiny(), "--max-new-tokens", "0").exit_code == 2
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_initial_prompt_teaches_a_name() -> None:
+    hotwords = str(shared_clip("hotwords.mp3"))
+    plain = transcribe(hotwords, "-m", tiny()).stdout
+    prompted = transcribe(hotwords, "-m", tiny(), "--initial-prompt", "ComfyUI").stdout
+    # Without the prompt tiny.en hears "comfyu eye"; with it, the product name (twice).
+    assert count_phrase(plain, "comfyui") == 0
+    assert count_phrase(prompted, "comfyui") == 2
+    assert count_phrase(prompted, "then you go into your") == 1  # the rest is still there
+    # base spells it "Confu i" unprompted; prompted, it writes the name exactly as given.
+    base = str(real_model("base"))
+    assert "ComfyUI" not in transcribe(hotwords, "-m", base, "-l", "en").stdout
+    prompted = transcribe(hotwords, "-m", base, "-l", "en", "--initial-prompt", "ComfyUI").stdout
+    assert prompted.count("ComfyUI") == 2
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_channel_picks_one_speaker() -> None:
+    stereo = str(shared_clip("stereo_diarization.wav"))
+    refs = clip("stereo_diarization.wav")
+    left = transcribe(stereo, "-m", tiny(), "--channel", "left").stdout
+    right = transcribe(stereo, "-m", tiny(), "--channel", "right").stdout
+    assert wer(refs["reference_left"], left) <= 0.1
+    assert wer(refs["reference_right"], right) <= 0.1
+    assert transcribe(stereo, "-m", tiny(), "--channel", "1").stdout == right
+    mixed = transcribe(stereo, "-m", tiny()).stdout  # both speakers at once
+    assert wer(refs["reference_left"], mixed) > wer(refs["reference_left"], left)
+
+    missing = cli("transcribe", stereo, "-m", tiny(), "--channel", "2")
+    assert missing.exit_code == 1 and "has no channel 2" in missing.stderr
+    usage_error(cli("transcribe", stereo, "-m", tiny(), "--channel", "centre"), "invalid channel")
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_silence_and_repetition_guards() -> None:
+    everything_silent = ("--no-speech-threshold", "-1", "--logprob-threshold", "0")
+    assert transcribe(jfk(), "-m", tiny(), *everything_silent).stdout == ""
+    assert transcribe(jfk(), "-m", tiny(), "--compression-ratio-threshold", "0.5").stdout == ""
+    # The defaults keep real speech.
+    assert JFK_PHRASE in english(transcribe(jfk(), "-m", tiny()).stdout)
+
+
+# --- output -------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_format_on_stdout(fmt: str) -> None:
+    out = transcribe(jfk(), "-m", tiny(), "--format", fmt, "-q").stdout
+    if fmt == "txt":
+        assert JFK_PHRASE in english(out)
+        texts = out.splitlines()
+    elif fmt in ("json", "jsonl"):
+        assert (len(out.splitlines()) == 1) == (fmt == "jsonl")
+        record = json.loads(out)
+        assert record["path"] == jfk() and record["language"] == "en"
+        texts = [s["text"].strip() for s in record["segments"]]
+    elif fmt == "tsv":
+        rows = [row.split("\t") for row in out.splitlines()]
+        assert rows[0] == ["start", "end", "text"]
+        starts = [int(r[0]) for r in rows[1:]]
+        assert starts == sorted(starts) and all(int(r[1]) <= 11000 for r in rows[1:])
+        texts = [r[2] for r in rows[1:]]
+    else:
+        cues = (parse_srt if fmt == "srt" else parse_vtt)(out)
+        assert_monotonic(cues)
+        assert cues[0][0] == 0 and cues[-1][1] == 11000
+        texts = [text for _, _, text in cues]
+    assert JFK_PHRASE in english(" ".join(texts))
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_several_inputs_as_txt_have_headers() -> None:
+    hotwords = str(shared_clip("hotwords.mp3"))
+    out = transcribe(jfk(), hotwords, "-m", tiny(), "-q").stdout
+    parts = re.split(r"^==> (.+) <==\n", out, flags=re.M)
+    assert parts[0] == ""
+    sections = dict(zip(parts[1::2], parts[2::2], strict=True))
+    assert set(sections) == {jfk(), hotwords}
+    assert JFK_PHRASE in english(sections[jfk()])
+    assert "folder" in english(sections[hotwords])
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_output_dir_one_format(tmp_path: Path) -> None:
+    hotwords = str(shared_clip("hotwords.mp3"))
+    result = transcribe(jfk(), hotwords, "-m", tiny(), "-f", "srt", "-o", str(tmp_path / "subs"))
+    assert result.stdout == ""
+    assert sorted(p.name for p in (tmp_path / "subs").iterdir()) == ["hotwords.srt", "jfk.srt"]
+    assert_monotonic(parse_srt((tmp_path / "subs" / "jfk.srt").read_text()))
+
+
+def _tree(root: Path) -> Path:
+    """root/a.flac, root/notes.txt, root/sub/b.mp3 and root/nested/deeper/c.wav (links)."""
+    (root / "sub").mkdir(parents=True)
+    (root / "nested" / "deeper").mkdir(parents=True)
+    (root / "a.flac").symlink_to(shared_clip("jfk.flac"))
+    (root / "notes.txt").write_text("not audio")
+    (root / "sub" / "b.mp3").symlink_to(shared_clip("hotwords.mp3"))
+    (root / "nested" / "deeper" / "c.wav").symlink_to(shared_clip("stereo_diarization.wav"))
+    return root
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_recursive(tmp_path: Path) -> None:
+    root = _tree(tmp_path / "in")
+
+    def paths(*flags: str) -> list[str]:
+        out = transcribe(str(root), "-m", tiny(), "-f", "jsonl", "-q", *flags).stdout
+        return sorted(json.loads(line)["path"] for line in out.splitlines())
+
+    assert paths() == [str(root / "a.flac")]
+    assert paths("--recursive") == [
+        str(root / "a.flac"),
+        str(root / "nested" / "deeper" / "c.wav"),
+        str(root / "sub" / "b.mp3"),
+    ]
+    empty = cli("transcribe", str(root / "nested"), "-m", tiny(), "-q")
+    assert empty.exit_code == 1 and "use --recursive" in empty.stderr
+    # Outputs are named by stem: two inputs that would write the same file are refused
+    # before any work, instead of one silently overwriting the other.
+    (root / "sub" / "a.wav").symlink_to(shared_clip("stereo_diarization.wav"))
+    clash = cli("transcribe", str(root), "-r", "-m", tiny(), "-o", str(tmp_path / "out"))
+    usage_error(clash, "a.flac", "a.wav", "a.txt")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_skip_existing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    transcribe(jfk(), "-m", tiny(), "-o", str(out), "-f", "txt")
+    (out / "jfk.txt").write_text("kept\n")
+    again = transcribe(jfk(), "-m", tiny(), "-o", str(out), "-f", "txt", "--skip-existing")
+    assert "skipping 1 input(s)" in again.stderr
+    assert (out / "jfk.txt").read_text() == "kept\n"
+    usage_error(cli("transcribe", jfk(), "-m", tiny(), "--skip-existing"), "--output-dir")
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_quiet_and_verbose() -> None:
+    quiet = transcribe(jfk(), "-m", tiny(), "--quiet")
+    assert quiet.stderr == ""
+    assert JFK_PHRASE in english(quiet.stdout)
+
+    verbose = transcribe(jfk(), "-m", tiny(), "--verbose")
+    lines = re.findall(r"^\[ *([\d.]+) --> *([\d.]+)\] (.+)$", verbose.stderr, flags=re.M)
+    assert len(lines) == len(verbose.stdout.splitlines()) >= 2
+    assert [text for _, _, text in lines] == verbose.stdout.splitlines()
+    starts = [float(start) for start, _, _ in lines]
+    assert starts == sorted(starts) and float(lines[-1][1]) <= 11.0
+
+
+def test_usage_errors_before_any_work(tmp_path: Path) -> None:
+    hotwords = str(shared_clip("hotwords.mp3"))
+    usage_error(cli("transcribe", jfk(), hotwords, "-f", "srt", "-m", tiny()), "--output-dir")
+    usage_error(cli("transcribe", jfk(), "-f", "all", "-m", tiny()), "--output-dir")
+    usage_error(cli("transcribe", "-", "-", "-m", tiny()), "stdin")
+    assert cli("transcribe", jfk(), "-f", "doc").exit_code == 2
+    assert cli("transcribe").exit_code == 2  # no input
+    # Checked before the model is even looked for.
+    result = cli("transcribe", jfk(), hotwords, "-f", "vtt", "-m", "no-such-model")
+    usage_error(result, "--format vtt", "--output-dir")
+    assert "model" not in result.stderr.replace("--", "")
+
+
+def test_debug_shows_the_traceback() -> None:
+    plain = cli("transcribe", jfk(), "--model", "tiny.xx")
+    debug = cli("transcribe", jfk(), "--model", "tiny.xx", "--debug")
+    assert plain.exit_code == debug.exit_code == 2
+    assert "Traceback" not in plain.stderr
+    assert "Traceback" in debug.stderr and "unknown model" in debug.stderr
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_failed_input_exits_1_and_the_others_are_written(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.wav"
+    bad.write_bytes(b"RIFF not really a wave file")
+    right = tmp_path / "right.wav"
+    audio, rate = sf.read(shared_clip("stereo_diarization.wav"))
+    sf.write(right, audio[:, 1], rate)
+    missing = str(tmp_path / "missing.wav")
+    out = tmp_path / "out"
+    result = cli("transcribe", jfk(), missing, str(bad), str(right), "-m", tiny(), "-o", str(out))
+    assert result.exit_code == 1
+    assert f"{missing}: no such file" in result.stderr
+    assert f"{bad}:" in result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["jfk.txt", "right.txt"]
+    assert JFK_PHRASE in english((out / "jfk.txt").read_text())
+    assert count_phrase((out / "right.txt").read_text(), "horizon seems extremely distant") == 1
