@@ -603,3 +603,34 @@ def test_sigint_during_load_or_decode_exits_130(tmp_path: Path, when: str) -> No
         "whisper-cli: interrupted; finished outputs are complete, no partial file left"
     ]
     assert not out.exists() or os.listdir(out) == []
+
+
+def test_out_of_memory_retries_with_a_smaller_batch(tiny_en, monkeypatch):
+    """A batch that runs out of (GPU) memory is decoded again in halves, with a warning."""
+    import torch
+
+    from whisper_cli.pipeline import TranscribeOptions, Transcriber
+
+    paths = [str(shared_clip("jfk.flac")), str(shared_clip("stereo_diarization.wav"))] * 2
+    expected = {}
+    Transcriber(tiny_en, TranscribeOptions(batch_size=4)).run(
+        paths, lambda t: expected.setdefault(t.path, t.text), pytest.fail
+    )
+    transcriber = Transcriber(tiny_en, TranscribeOptions(batch_size=4))
+    real_decode = transcriber.decoder.decode
+    sizes = []
+
+    def decode(features, languages):
+        sizes.append(features.shape[0])
+        if features.shape[0] > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_decode(features, languages)
+
+    monkeypatch.setattr(transcriber.decoder, "decode", decode)
+    got = {}
+    with pytest.warns(
+        RuntimeWarning, match="out of memory at batch size 4; retrying with batch size 2"
+    ):
+        transcriber.run(paths, lambda t: got.setdefault(t.path, t.text), pytest.fail)
+    assert got == expected
+    assert sizes[:3] == [4, 2, 1] and set(sizes[3:]) == {1}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -132,6 +133,7 @@ class Transcriber:
         )
         # A compiled step has one batch shape: pad the last batch up to it.
         self.pad_batches = options.compile
+        self.rows = options.batch_size  # halved for the rest of the run on out-of-memory
 
     # -- public API ----------------------------------------------------------------
 
@@ -226,11 +228,33 @@ class Transcriber:
     # -- decoding --------------------------------------------------------------------
 
     def _decode_batch(self, inputs: list[_Input], batch: list[Window]) -> list[Window]:
+        """Decode a batch in chunks of self.rows; out of memory halves self.rows and retries."""
         batch = [w for w in batch if w.audio.size and np.abs(w.audio).max() >= SILENCE_PEAK]
-        if not batch:  # digital silence only: nothing to decode
-            return []
+        tails: list[Window] = []
+        done = 0
+        while done < len(batch):
+            chunk = batch[done : done + self.rows]
+            try:
+                tails += self._decode_rows(inputs, chunk)
+            except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError in newer torch
+                if self.rows == 1:
+                    raise WhisperCliError("out of memory with a batch of one window") from None
+                self.rows //= 2
+                if self.loaded.policy.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                warnings.warn(
+                    f"out of memory at batch size {len(chunk)}; "
+                    f"retrying with batch size {self.rows}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                continue  # nothing of the chunk was kept: decode it again, smaller
+            done += len(chunk)
+        return tails
+
+    def _decode_rows(self, inputs: list[_Input], batch: list[Window]) -> list[Window]:
         device = self.loaded.policy.device
-        n_rows = self.options.batch_size if self.pad_batches else len(batch)
+        n_rows = self.rows if self.pad_batches else len(batch)
         mel = batch_log_mel(
             [w.audio for w in batch], n_rows, self.loaded.config.num_mel_bins, device
         )
