@@ -147,7 +147,8 @@ def main() -> None:
                         str(wav),
                     ],
                 }
-                if args.fw_python:
+                # CTranslate2 has no bfloat16 compute on CPU: faster-whisper runs f32 only.
+                if args.fw_python and dtype == "f32":
                     commands["fw-batched"] = [
                         args.fw_python,
                         "-c",
