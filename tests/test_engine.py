@@ -180,3 +180,29 @@ def test_decoders_with_other_cache_lengths_share_one_model(random_dirs):
         short.decode(features, [language] * 2)
         again = long.decode(features, [language] * 2)
     assert [r.tokens for r in again] == [r.tokens for r in first]
+
+
+@pytest.mark.parametrize("looping", [True, False])
+def test_repetition_guard_stops_a_looping_row(random_dirs, looping):
+    """A row that repeats a 3-token period is stopped on the device, long before the limit."""
+    ours = load_model(str(random_dirs), F32)
+    steps = []
+
+    def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        steps.append(int(positions[0]))
+        logits = torch.zeros(tokens.shape[0], 1, ours.config.vocab_size)
+        pos = int(positions[0])
+        logits[:, 0, 1000 + (pos % 3 if looping else pos)] = 10.0  # never end-of-text
+        return logits
+
+    decoder = GreedyDecoder(ours, DecodeOptions(timestamps=False, max_new_tokens=120), step=step)
+    language = "en" if ours.tokenizer.is_multilingual else None
+    with torch.inference_mode():
+        rows = decoder.decode(decoder.encode(random_mel(ours.config.num_mel_bins)), [language] * 2)
+    if looping:
+        assert all(r.looped for r in rows)
+        assert len(steps) < 60  # stopped at the first check that sees the loop
+        assert all(len(r.tokens) < 20 for r in rows)  # the repeated span is cut off
+    else:
+        assert not any(r.looped for r in rows)
+        assert len(steps) == 119 and all(len(r.tokens) == 120 for r in rows)

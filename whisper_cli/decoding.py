@@ -67,9 +67,9 @@ class GreedyDecoder:
         self.special = loaded.tokenizer.special
         cfg = loaded.config
         device = self.model.device
-        prompt_len = len(loaded.tokenizer.prompt("en", options.task, options.timestamps))
-        prompt_len += len(options.prompt_tokens) + (1 if options.prompt_tokens else 0)
-        self.prompt_len = prompt_len
+        prompt_len = len(
+            loaded.tokenizer.prompt("en", options.task, options.timestamps, options.prompt_tokens)
+        )
         self.max_new = min(options.max_new_tokens, cfg.max_target_positions - prompt_len)
         self.cache_len = prompt_len + self.max_new
         vocab = torch.arange(cfg.vocab_size, device=device)
@@ -78,6 +78,9 @@ class GreedyDecoder:
         self.suppress = self._mask(gen.suppress_tokens)  # (V,) bool
         self.begin_suppress = self._mask(gen.begin_suppress_tokens) | self.suppress
         ts_begin = self.special.timestamp_begin
+        # Fixed (V,) masks of the timestamp rules, built once rather than at every step.
+        self.is_ts = vocab >= ts_begin
+        self.before_eot = vocab < self.special.eot
         if options.timestamps:
             self.suppress[self.special.no_timestamps] = True
             self.begin_suppress[self.special.no_timestamps] = True
@@ -210,7 +213,8 @@ class GreedyDecoder:
         """Repetition guard, on the device: finish rows whose recent tokens repeat a period.
 
         Timestamps are compared as one symbol, so "text <|t|><|t'|> text ..." loops are
-        caught although their times advance. A looping row keeps one period of the loop.
+        caught although their times advance. A looping row keeps its tokens up to the
+        repeated span (the span's repetitions are cut).
         """
         ts_begin = self.special.timestamp_begin
         seq = out.index_select(0, rows)[:, :n]  # (rows, n)
@@ -228,13 +232,12 @@ class GreedyDecoder:
         """Suppressed tokens and the timestamp rules, as a (rows, V) mask on the device."""
         mask = (self.begin_suppress if i == 0 else self.suppress)[None, :]
         if self.options.timestamps and i > 0:
-            ts_begin, eot = self.special.timestamp_begin, self.special.eot
-            is_ts = self.vocab >= ts_begin  # (V,)
+            ts_begin, is_ts = self.special.timestamp_begin, self.is_ts
             last_ts = state.last >= ts_begin
             penult_ts = state.penult >= ts_begin if i >= 2 else torch.ones_like(last_ts)
             # Timestamps come in pairs: after a pair, text; after a lone one, a timestamp/eot.
             pair_closed = (last_ts & penult_ts)[:, None] & is_ts
-            need_ts = (last_ts & ~penult_ts)[:, None] & (self.vocab < eot)
+            need_ts = (last_ts & ~penult_ts)[:, None] & self.before_eot
             # Timestamps never decrease, and a segment has a non-zero length.
             floor = torch.where(last_ts & ~penult_ts, state.max_ts, state.max_ts + 1)
             too_early = is_ts & (self.vocab < floor[:, None])
@@ -246,9 +249,7 @@ class GreedyDecoder:
             ts_begin = self.special.timestamp_begin
             ts_lp = logprobs[:, ts_begin:].logsumexp(dim=-1)
             text_lp = logprobs[:, :ts_begin].amax(dim=-1)
-            logits = logits.masked_fill(
-                (ts_lp > text_lp)[:, None] & (self.vocab < ts_begin), float("-inf")
-            )
+            logits = logits.masked_fill((ts_lp > text_lp)[:, None] & ~self.is_ts, float("-inf"))
         return logits
 
 

@@ -189,6 +189,7 @@ class Transcriber:
     ) -> Iterator[Window]:
         for item in inputs:
             try:
+                item.started = time.perf_counter()  # its wall time counts from its first window
                 windows = cut_windows(item.source.blocks(), source=item.index)
                 window = next(windows, None)
                 if window is None:
