@@ -42,6 +42,17 @@ class KVCache(nn.Module):
         self.v = self.v.index_select(0, rows)
 
 
+class Table(nn.Embedding):
+    """An embedding table whose values always come from the checkpoint.
+
+    nn.Embedding draws random normal values at construction; on the meta device that
+    one op imports PyTorch's Python decompositions, about a second of every start.
+    """
+
+    def reset_parameters(self) -> None:
+        pass  # filled by the strict load
+
+
 class Attention(nn.Module):
     def __init__(self, d_model: int, heads: int) -> None:
         super().__init__()
@@ -123,7 +134,7 @@ class Encoder(nn.Module):
         c = cfg.d_model
         self.conv1 = nn.Conv1d(cfg.num_mel_bins, c, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(c, c, kernel_size=3, stride=2, padding=1)
-        self.embed_positions = nn.Embedding(cfg.max_source_positions, c)
+        self.embed_positions = Table(cfg.max_source_positions, c)
         self.layers = nn.ModuleList(
             EncoderLayer(c, cfg.encoder_attention_heads, cfg.encoder_ffn_dim)
             for _ in range(cfg.encoder_layers)
@@ -145,8 +156,8 @@ class Decoder(nn.Module):
         super().__init__()
         c = cfg.d_model
         self.heads = cfg.decoder_attention_heads
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, c)
-        self.embed_positions = nn.Embedding(cfg.max_target_positions, c)
+        self.embed_tokens = Table(cfg.vocab_size, c)
+        self.embed_positions = Table(cfg.max_target_positions, c)
         self.layers = nn.ModuleList(
             DecoderLayer(c, self.heads, cfg.decoder_ffn_dim) for _ in range(cfg.decoder_layers)
         )
