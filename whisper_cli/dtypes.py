@@ -10,8 +10,8 @@ where a tensor changes dtype can be read in one screen:
 * `cast_weight`   - checkpoint tensors (f16/f32/bf16 on disk) to the run dtype, once at load.
 * `encoder_input` - the log-mel, computed in float32 (see F32_EXCEPTIONS), enters the
                     encoder in the run dtype.
-* `f32_log_softmax`, `f32_logprob_sums` - the listed float32 exception for
-                    probabilities over logits and their running sums.
+* `f32_log_softmax`, `f32_logsumexp`, `f32_logprob_sums` - the listed float32
+                    exception for probabilities over logits and their running sums.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ F32_EXCEPTIONS: dict[str, str] = {
     "log-softmax over logits": (
         "token log-probabilities (timestamp rule, average log-prob, no-speech and "
         "language probabilities) are computed from the logits in float32 by "
-        "f32_log_softmax(); the logits themselves stay in the run dtype."
+        "f32_log_softmax() and f32_logsumexp(); the logits themselves stay in the run dtype."
     ),
 }
 
@@ -136,6 +136,12 @@ def encoder_input(mel: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def f32_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """Log-probabilities over the vocabulary in float32 (listed exception)."""
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def f32_logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """log(sum(exp(logits))) over the last dim in float32, the log-softmax normaliser
+    (same listed exception): a token's log-prob is its logit less this."""
+    return torch.logsumexp(logits.float(), dim=-1)
 
 
 def f32_logprob_sums(rows: int, device: torch.device) -> torch.Tensor:

@@ -68,28 +68,40 @@ class Attention(nn.Module):
         return x.view(b, t, self.heads, c // self.heads).transpose(1, 2)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        causal: bool = False,
     ) -> torch.Tensor:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B,H,T,D)
         b, h, t, d = y.shape
         return self.out_proj(y.transpose(1, 2).reshape(b, t, h * d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Uncached full self-attention (the encoder)."""
         q, k, v = (self.split_heads(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
-        return self.attend(q, k, v, None)
+        return self.attend(q, k, v)
 
     def forward_cached_self(
-        self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+        self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, visible: int
     ) -> torch.Tensor:
-        """Causal self-attention: write this step's K/V at `positions`, attend over the cache."""
+        """Causal self-attention: write this step's K/V at `positions`, attend over the cache.
+
+        With a mask (the fixed-shape step): over the whole static cache. Without: over its
+        first `visible` slots, the positions written so far (see Decoder.forward).
+        """
         q, k, v = (self.split_heads(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
         self.kv_cache.write(positions, k, v)
-        return self.attend(q, self.kv_cache.k, self.kv_cache.v, mask)
+        if mask is not None:
+            return self.attend(q, self.kv_cache.k, self.kv_cache.v, mask)
+        k, v = self.kv_cache.k[:, :, :visible], self.kv_cache.v[:, :, :visible]
+        return self.attend(q, k, v, causal=q.shape[2] > 1)  # a prompt from position 0
 
     def forward_cross(self, x: torch.Tensor) -> torch.Tensor:
         """Cross-attention over the encoder K/V filled once per batch."""
-        return self.attend(self.split_heads(self.q_proj(x)), self.kv_cache.k, self.kv_cache.v, None)
+        return self.attend(self.split_heads(self.q_proj(x)), self.kv_cache.k, self.kv_cache.v)
 
     def fill_cross(self, audio: torch.Tensor) -> None:
         # audio: (B, S, C) encoder output; all S positions written at once.
@@ -122,8 +134,12 @@ class DecoderLayer(nn.Module):
         self.fc2 = nn.Linear(ffn, d_model)
         self.final_layer_norm = nn.LayerNorm(d_model)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn.forward_cached_self(self.self_attn_layer_norm(x), positions, mask)
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, visible: int
+    ) -> torch.Tensor:
+        x = x + self.self_attn.forward_cached_self(
+            self.self_attn_layer_norm(x), positions, mask, visible
+        )
         x = x + self.encoder_attn.forward_cross(self.encoder_attn_layer_norm(x))
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
@@ -164,18 +180,27 @@ class Decoder(nn.Module):
         self.layer_norm = nn.LayerNorm(c)
         self.cross_source: torch.Tensor | None = None  # encoder output the cross caches hold
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, visible: int | None = None
+    ) -> torch.Tensor:
         """One decode step (or the prompt): tokens (B, T) at positions (T,) -> logits (B, T, V).
 
-        Shapes are fixed for a given (B, T) and cache length, so the single-token step
-        can be compiled once and replayed.
+        Without `visible`, self-attention runs over the whole static cache under a causal
+        mask, so shapes are fixed for a given (B, T) and the single-token step can be
+        compiled once and replayed. Eager callers pass `visible`, the number of cache
+        slots written once these tokens are (positions are consecutive, ending at
+        visible - 1): attention then reads only those, with no mask to build.
         """
+        if visible is not None and 1 < tokens.shape[1] != visible:
+            raise ValueError("an eager call of several tokens must start at position 0")
         x = self.embed_tokens(tokens) + self.embed_positions(positions)
-        cache_len = self.layers[0].self_attn.kv_cache.k.shape[2]
-        # Causal mask over the static cache: position p sees cache slots 0..p.  (T, L) bool
-        mask = torch.arange(cache_len, device=tokens.device) <= positions[:, None]
+        mask = None
+        if visible is None:
+            cache_len = self.layers[0].self_attn.kv_cache.k.shape[2]
+            # Position p sees cache slots 0..p.  (T, L) bool
+            mask = torch.arange(cache_len, device=tokens.device) <= positions[:, None]
         for layer in self.layers:
-            x = layer(x, positions, mask)
+            x = layer(x, positions, mask, visible or 0)
         x = self.layer_norm(x)
         return x @ self.embed_tokens.weight.T  # output projection tied to the embedding
 
