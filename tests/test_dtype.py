@@ -3,7 +3,7 @@
 A TorchDispatchMode sees the output of every op of a whole transcription. Only the
 exceptions listed in whisper_cli.dtypes.F32_EXCEPTIONS may produce float32 in a
 bf16/f16 run: the audio front end (log_mel) and probabilities computed from the logits
-(f32_log_softmax, f32_logprob_sums) and whatever is computed from those alone.
+(f32_log_softmax, f32_logsumexp, f32_logprob_sums) and whatever is computed from those.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ def recorder(monkeypatch):
     monkeypatch.setattr(pipeline, "batch_log_mel", exception(pipeline.batch_log_mel))
     monkeypatch.setattr(decoding, "f32_log_softmax", exception(decoding.f32_log_softmax))
     monkeypatch.setattr(decoding, "f32_logprob_sums", exception(decoding.f32_logprob_sums))
+    monkeypatch.setattr(decoding, "f32_logsumexp", exception(decoding.f32_logsumexp))
     return rec
 
 

@@ -20,6 +20,7 @@ from util import manifest, real_model, shared_clip
 from whisper_normalizer.basic import BasicTextNormalizer
 from whisper_normalizer.english import EnglishTextNormalizer
 
+from whisper_cli import pipeline
 from whisper_cli.audio import SAMPLE_RATE, load_audio, open_audio
 from whisper_cli.cli import app
 from whisper_cli.results import Segment
@@ -209,42 +210,53 @@ def test_long_form_matches_clips_on_their_own(
     assert result.duration == pytest.approx(long_form["duration"], abs=1e-3)
 
 
-def test_speech_after_an_early_end_is_decoded_again(tiny_en, transcriber) -> None:
-    """A single closing timestamp (`<|0.00|> text <|3.00|>` end) claims no more speech.
+def test_speech_after_a_pause_is_not_lost(tiny_en, transcriber, monkeypatch, tmp_path) -> None:
+    """After a pause the model often ends a window early and what follows would be lost.
 
-    After a pause the model often says so wrongly, and what follows was lost (the
-    long-form test dropped whole utterances): the remainder is decoded again when it
-    holds sound, and not when it is quiet.
+    The decoder may not end while sound remains after its latest timestamp: here the
+    utterance after a 5 s pause is transcribed, and without the rule it is dropped.
     """
-    from whisper_cli.windows import Window
+    jfk = load_audio(shared_clip("jfk.flac"))
+    left = load_audio(shared_clip("stereo_diarization.wav"), "left")
+    path = tmp_path / "pause.wav"
+    pause = np.zeros(5 * SAMPLE_RATE, np.float32)
+    sf.write(path, np.concatenate([jfk, pause, left]), SAMPLE_RATE, subtype="FLOAT")
+    after_pause = "wizard who had vanished behind the curtain"
 
-    t = transcriber(tiny_en)
-    ts = tiny_en.tokenizer.special.timestamp_begin
-    text = tuple(tiny_en.tokenizer.encode_text(" The horizon seems extremely distant."))
+    segments = transcriber(tiny_en).transcribe(str(path)).segments
+    assert "ask not what your country" in english(" ".join(s.text for s in segments))
+    (late,) = [s for s in segments if after_pause in english(s.text)]
+    assert late.start >= 16.0 - 0.5  # it starts after the pause, where it is
+
+    never_open = lambda audio, n: np.zeros(n, dtype=bool)  # noqa: E731
+    monkeypatch.setattr(pipeline, "open_after_timestamps", never_open)
+    dropped = transcriber(tiny_en).transcribe(str(path)).text
+    assert after_pause not in english(dropped)  # what the rule is for
+
+
+def test_open_after_timestamps_needs_sound_near_the_speech_level() -> None:
     jfk = load_audio(shared_clip("jfk.flac"))
     head, speech = jfk[: 3 * SAMPLE_RATE], jfk[3 * SAMPLE_RATE : 10 * SAMPLE_RATE]
-    single = (ts, *text, ts + 150)  # ends at 3.00 s
-    pair = (*single, ts + 150)
 
-    def window(after: np.ndarray) -> Window:
-        return Window(source=0, index=2, start=60.0, audio=np.concatenate([head, after]))
+    def open_at(after: np.ndarray) -> np.ndarray:
+        return pipeline.open_after_timestamps(np.concatenate([head, after]), 1501)
 
-    tail = t._tail(window(speech), single)
-    assert tail is not None and tail.start == pytest.approx(63.0)
-    assert np.array_equal(tail.audio, speech)
-    assert t._tail(window(np.zeros_like(speech)), single) is None  # silence: nothing to do
-    assert t._tail(window(1e-4 * speech), single) is None  # 80 dB below: noise floor
-    silent = Window(source=0, index=0, start=0.0, audio=np.zeros(10 * SAMPLE_RATE, np.float32))
-    assert t._tail(silent, single) is None
-    assert t._tail(window(np.zeros_like(speech)), pair) is not None  # model expects more
-    assert t._tail(window(speech[: SAMPLE_RATE // 2]), single) is None  # too short to bother
+    at_3s, per_second = 150, 50  # timestamps are 20 ms apart
+    assert open_at(speech)[at_3s] and open_at(speech)[0]
+    too_short = round((10.0 - pipeline.OPEN_MIN_SECONDS) * per_second) + 1
+    assert open_at(speech)[too_short - 2] and not open_at(speech)[too_short]
+    assert not open_at(speech)[-1]  # past the end of the window
+    assert not open_at(np.zeros_like(speech))[at_3s]  # silence: nothing to do
+    assert not open_at(1e-4 * speech)[at_3s]  # 80 dB below the speech: noise floor
+    assert not pipeline.open_after_timestamps(np.zeros(10 * SAMPLE_RATE, np.float32), 1501).any()
+    assert not pipeline.open_after_timestamps(np.zeros(0, np.float32), 1501).any()
 
 
 # --- 3. batching changes nothing -------------------------------------------------------------
 
 
 def test_batch_size_does_not_change_results(tiny_en, transcriber) -> None:
-    # Five 30 s windows and their re-decoded tails: several share a batch of 16.
+    # Five 30 s windows of four inputs: several share a batch of 16.
     paths = [
         str(shared_clip(name))
         for name in ("jfk.flac", "multilingual.mp3", "hotwords.mp3", "stereo_diarization.wav")

@@ -531,9 +531,9 @@ def test_each_input_is_handed_over_as_soon_as_it_is_decoded(monkeypatch, tiny_en
     events: list[str] = []
     real = t.decoder.decode
 
-    def decode(features, languages):
+    def decode(features, *args):
         events.append(f"decode {features.shape[0]}")
-        return real(features, languages)
+        return real(features, *args)
 
     monkeypatch.setattr(t.decoder, "decode", decode)
     clip = str(shared_clip("stereo_diarization.wav"))
@@ -574,19 +574,20 @@ def _file_opener(name):
     return lambda: Interrupting(name, "rb")
 audio._file_opener = _file_opener
 """,
-    # The signal arrives at the third token step of the first batch.
+    # The signal arrives at the third token step of the first batch (after the prompt pass).
     "decode": """
 import os, signal
 import whisper_cli.decoding as decoding
 real = decoding.GreedyDecoder.decode
 def decode(self, *args, **kwargs):
-    step, calls = self.step, []
+    decoder = self.model.decoder
+    forward, calls = decoder.forward, []
     def counted(*a, **k):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 4:
             os.kill(os.getpid(), signal.SIGINT)
-        return step(*a, **k)
-    self.step = counted
+        return forward(*a, **k)
+    decoder.forward = counted
     return real(self, *args, **kwargs)
 decoding.GreedyDecoder.decode = decode
 """,
@@ -620,11 +621,11 @@ def test_out_of_memory_retries_with_a_smaller_batch(tiny_en, monkeypatch):
     real_decode = transcriber.decoder.decode
     sizes = []
 
-    def decode(features, languages):
+    def decode(features, *args):
         sizes.append(features.shape[0])
         if features.shape[0] > 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_decode(features, languages)
+        return real_decode(features, *args)
 
     monkeypatch.setattr(transcriber.decoder, "decode", decode)
     got = {}

@@ -406,12 +406,12 @@ class _Totals:
 
 
 class _Probe:
-    """Timing shims around a GreedyDecoder's encode, decode and step (instance attributes)."""
+    """Timing shims around a GreedyDecoder's encode and decode (instance attributes)."""
 
     def __init__(self, decoder, sync: Callable[[], None]) -> None:
         self.totals = _Totals()
         self.sync = sync
-        encode, decode, step = decoder.encode, decoder.decode, decoder.step
+        encode, decode = decoder.encode, decoder.decode
 
         def timed_encode(mel):
             started = self._start()
@@ -421,20 +421,17 @@ class _Probe:
             self.totals.batches += 1
             return out
 
-        def timed_decode(features, languages):
+        def timed_decode(*args, **kwargs):
             started = self._start()
-            rows = decode(features, languages)
+            passes = decoder.forward_passes
+            rows = decode(*args, **kwargs)
             self.totals.decode_s += self._stop(started)
-            self.totals.steps += 1  # the prompt pass, which yields the first token
+            # The prompt pass (which yields the first token) and one per token step.
+            self.totals.steps += decoder.forward_passes - passes
             self.totals.tokens += sum(len(row.tokens) for row in rows)
             return rows
 
-        def counted_step(tokens, positions):
-            # No synchronisation here: that would serialise the decode loop being measured.
-            self.totals.steps += 1
-            return step(tokens, positions)
-
-        decoder.encode, decoder.decode, decoder.step = timed_encode, timed_decode, counted_step
+        decoder.encode, decoder.decode = timed_encode, timed_decode
 
     def _start(self) -> float:
         self.sync()

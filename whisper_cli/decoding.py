@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from whisper_cli.dtypes import encoder_input, f32_log_softmax, f32_logprob_sums
+from whisper_cli.dtypes import encoder_input, f32_log_softmax, f32_logprob_sums, f32_logsumexp
 from whisper_cli.loading import LoadedModel
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -35,6 +35,8 @@ class DecodeOptions:
     max_initial_timestamp: float = 1.0  # seconds
     sync_every: int = 1  # host reads of the "all finished" flag
     shrink_batch: bool = True  # eager path: drop finished rows from the batch
+    # Rows whose no-speech probability is above this are never kept from ending (open_after).
+    open_max_no_speech: float = 0.6
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,10 @@ class DecodedRow:
     no_speech_prob: float
     language: str | None
     looped: bool = False  # stopped by the repetition guard
+    # Where the model would have ended but was kept going (open_after), -1 if nowhere, and
+    # the average log-prob of the tokens from there on (end-of-text counted).
+    continued_at: int = -1
+    continued_logprob: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,8 @@ class GreedyDecoder:
         self.loaded = loaded
         self.model = loaded.model
         self.options = options
-        self.step: StepFn = step or self.model.decoder
+        self.compiled_step = step  # fixed-shape step; None: eager calls over the filled cache
+        self.forward_passes = 0  # decoder calls of decode(): prompt passes and token steps
         self.special = loaded.tokenizer.special
         cfg = loaded.config
         device = self.model.device
@@ -78,9 +85,7 @@ class GreedyDecoder:
         self.suppress = self._mask(gen.suppress_tokens)  # (V,) bool
         self.begin_suppress = self._mask(gen.begin_suppress_tokens) | self.suppress
         ts_begin = self.special.timestamp_begin
-        # Fixed (V,) masks of the timestamp rules, built once rather than at every step.
-        self.is_ts = vocab >= ts_begin
-        self.before_eot = vocab < self.special.eot
+        self.ts_index = torch.arange(cfg.vocab_size - ts_begin, device=device)  # (n_ts,)
         if options.timestamps:
             self.suppress[self.special.no_timestamps] = True
             self.begin_suppress[self.special.no_timestamps] = True
@@ -128,7 +133,8 @@ class GreedyDecoder:
         b = audio_features.shape[0]
         device = audio_features.device
         tokens = torch.full((b, 1), self.special.sot, dtype=torch.long, device=device)
-        logits = self.model.decoder(tokens, torch.zeros(1, dtype=torch.long, device=device))
+        positions = torch.zeros(1, dtype=torch.long, device=device)
+        logits = self.model.decoder(tokens, positions, visible=1)
         codes = list(tokenizer.language_ids)
         ids = torch.tensor([tokenizer.language_ids[c] for c in codes], device=device)
         probs = f32_log_softmax(logits[:, 0, ids]).exp()  # over language tokens only
@@ -138,8 +144,18 @@ class GreedyDecoder:
     # -- greedy decode ---------------------------------------------------------------
 
     @torch.inference_mode()
-    def decode(self, audio_features: torch.Tensor, languages: list[str | None]) -> list[DecodedRow]:
-        """Greedy-decode every row of a batch of encoder outputs, (B, S, C)."""
+    def decode(
+        self,
+        audio_features: torch.Tensor,
+        languages: list[str | None],
+        open_after: torch.Tensor | None = None,
+    ) -> list[DecodedRow]:
+        """Greedy-decode every row of a batch of encoder outputs, (B, S, C).
+
+        open_after (B, n_timestamps) bool, timestamp mode only: whether the audio after
+        each timestamp still holds speech to transcribe. While a row's latest timestamp
+        is open, that row may not end (see _apply_rules).
+        """
         b = audio_features.shape[0]
         device = audio_features.device
         self._prepare(audio_features)
@@ -153,23 +169,28 @@ class GreedyDecoder:
         tokens = torch.tensor(prompts, dtype=torch.long, device=device)  # (B, T0)
         sot_index = prompts[0].index(self.special.sot)
         t0 = tokens.shape[1]
-        logits = self.model.decoder(tokens, torch.arange(t0, device=device))  # (B, T0, V)
+        logits = self.model.decoder(tokens, torch.arange(t0, device=device), t0)  # (B, T0, V)
+        self.forward_passes += 1
         no_speech = f32_log_softmax(logits[:, sot_index])[:, self.special.no_speech].exp()
         logits = logits[:, -1]  # (B, V)
 
+        if open_after is not None:
+            # A row the model itself calls speechless is left to end where it likes.
+            open_after = open_after & (no_speech <= self.options.open_max_no_speech)[:, None]
         out = torch.full((b, self.max_new), self.special.eot, dtype=torch.long, device=device)
-        state = _RowState.start(b, device)
+        state = _RowState.start(b, device, open_after)
+        final = _RowState.start(b, device)  # per-row results, kept as rows are dropped
         rows = torch.arange(b, device=device)  # global row of each active row
-        sum_logprob = f32_logprob_sums(b, device)
-        loop_cut = torch.full((b,), -1, dtype=torch.long, device=device)
         positions = torch.arange(t0, self.cache_len, device=device)
         for i in range(self.max_new):
             logits = self._apply_rules(logits, state, i)
-            logprobs = f32_log_softmax(logits)
             next_tokens = logits.argmax(dim=-1)
             next_tokens = torch.where(state.finished, self.special.eot, next_tokens)
-            chosen = logprobs.gather(1, next_tokens[:, None])[:, 0]
-            state.sum_logprob += torch.where(state.finished, 0.0, chosen)
+            # The chosen token's log-prob: its logit less the row's log-sum-exp.
+            chosen = logits.gather(1, next_tokens[:, None])[:, 0] - f32_logsumexp(logits)
+            chosen = torch.where(state.finished, 0.0, chosen)
+            state.sum_logprob += chosen
+            state.continued_sum += torch.where(state.continued_at >= 0, chosen, 0.0)
             state.advance(next_tokens, self.special.timestamp_begin)
             state.finished |= next_tokens == self.special.eot
             out[rows, i] = next_tokens
@@ -184,20 +205,31 @@ class GreedyDecoder:
                 # Eager path: drop finished rows once they are a quarter of the batch.
                 if self.options.shrink_batch and n_active <= 0.75 * len(rows):
                     keep = (~state.finished).nonzero()[:, 0]
-                    sum_logprob[rows] = state.sum_logprob  # keep the dropped rows' results
-                    loop_cut[rows] = state.loop_cut
+                    state.store_results(final, rows)
                     rows, next_tokens = rows[keep], next_tokens[keep]
                     state = state.select(keep)
                     self.model.decoder.keep_rows(keep)
-            logits = self.step(next_tokens[:, None], positions[i : i + 1])[:, -1]
+            if self.compiled_step is not None:
+                logits = self.compiled_step(next_tokens[:, None], positions[i : i + 1])
+            else:
+                logits = self.model.decoder(next_tokens[:, None], positions[i : i + 1], t0 + i + 1)
+            logits = logits[:, -1]
+            self.forward_passes += 1
 
-        sum_logprob[rows] = state.sum_logprob
-        loop_cut[rows] = state.loop_cut
+        state.store_results(final, rows)
+        eot = self.special.eot
         results = []
-        for r, (seq, total, cut) in enumerate(
-            zip(out.tolist(), sum_logprob.tolist(), loop_cut.tolist(), strict=True)
+        for r, (seq, total, cut, at, after) in enumerate(
+            zip(
+                out.tolist(),
+                final.sum_logprob.tolist(),
+                final.loop_cut.tolist(),
+                final.continued_at.tolist(),
+                final.continued_sum.tolist(),
+                strict=True,
+            )
         ):
-            n = seq.index(self.special.eot) if self.special.eot in seq else len(seq)
+            n = seq.index(eot) if eot in seq else len(seq)
             results.append(
                 DecodedRow(
                     tokens=tuple(seq[: min(n, cut) if cut >= 0 else n]),
@@ -205,6 +237,8 @@ class GreedyDecoder:
                     no_speech_prob=float(no_speech[r]),
                     language=languages[r],
                     looped=cut >= 0,
+                    continued_at=at,
+                    continued_logprob=after / (n + 1 - at) if at >= 0 else 0.0,
                 )
             )
         return results
@@ -229,27 +263,46 @@ class GreedyDecoder:
             state.finished |= new
 
     def _apply_rules(self, logits: torch.Tensor, state: _RowState, i: int) -> torch.Tensor:
-        """Suppressed tokens and the timestamp rules, as a (rows, V) mask on the device."""
-        mask = (self.begin_suppress if i == 0 else self.suppress)[None, :]
-        if self.options.timestamps and i > 0:
-            ts_begin, is_ts = self.special.timestamp_begin, self.is_ts
+        """Suppressed tokens and the timestamp rules, on the device: (rows, V) -> (rows, V).
+
+        The first fill makes a new tensor (a compiled step's output is left alone); the
+        rules then fill slices of it in place: text, end and timestamp tokens each see
+        only their own columns.
+        """
+        inf = float("-inf")
+        logits = logits.masked_fill(self.begin_suppress if i == 0 else self.suppress, inf)
+        if not self.options.timestamps:
+            return logits
+        ts_begin, eot = self.special.timestamp_begin, self.special.eot
+        stamps = logits[:, ts_begin:]  # (rows, n_ts) view
+        if i > 0:
             last_ts = state.last >= ts_begin
             penult_ts = state.penult >= ts_begin if i >= 2 else torch.ones_like(last_ts)
             # Timestamps come in pairs: after a pair, text; after a lone one, a timestamp/eot.
-            pair_closed = (last_ts & penult_ts)[:, None] & is_ts
-            need_ts = (last_ts & ~penult_ts)[:, None] & self.before_eot
+            opened = last_ts & ~penult_ts
+            stamps.masked_fill_((last_ts & penult_ts)[:, None], inf)
+            logits[:, :eot].masked_fill_(opened[:, None], inf)
             # Timestamps never decrease, and a segment has a non-zero length.
-            floor = torch.where(last_ts & ~penult_ts, state.max_ts, state.max_ts + 1)
-            too_early = is_ts & (self.vocab < floor[:, None])
-            mask = mask | pair_closed | need_ts | too_early
-        logits = logits.masked_fill(mask, float("-inf"))
-        if self.options.timestamps:
-            # If the timestamps together are likelier than any text token, emit a timestamp.
-            logprobs = f32_log_softmax(logits)
-            ts_begin = self.special.timestamp_begin
-            ts_lp = logprobs[:, ts_begin:].logsumexp(dim=-1)
-            text_lp = logprobs[:, :ts_begin].amax(dim=-1)
-            logits = logits.masked_fill((ts_lp > text_lp)[:, None] & ~self.is_ts, float("-inf"))
+            floor = torch.where(opened, state.max_ts, state.max_ts + 1) - ts_begin
+            stamps.masked_fill_(self.ts_index < floor[:, None], inf)
+        stamps_lse = f32_logsumexp(stamps)  # (rows,) the timestamps' mass, unnormalised
+        if i > 0 and state.open_after is not None:
+            # The model ends a window early when it takes the last utterance for one that
+            # runs on past the window, and after a pause it often ends wrongly: while
+            # sound remains after the row's latest timestamp it may not end (see
+            # pipeline.open_after_timestamps). Where it would have ended is recorded, so
+            # that what it wrote from there on can be judged on its own.
+            latest = (state.max_ts - ts_begin).clamp(min=0)
+            still_open = last_ts & state.open_after.gather(1, latest[:, None])[:, 0]
+            eot_logit = logits[:, eot]
+            would_end = (eot_logit >= logits.amax(dim=-1)) & (eot_logit >= stamps_lse)
+            first = still_open & would_end & (state.continued_at < 0)
+            state.continued_at = torch.where(first, i, state.continued_at)
+            eot_logit.masked_fill_(still_open, inf)
+        # If the timestamps together are likelier than any text token, emit a timestamp:
+        # log-sum-exp(timestamps) > max(text) in log-probs, the row's normaliser cancels.
+        stamps_win = stamps_lse > logits[:, :ts_begin].amax(dim=-1)
+        logits[:, :ts_begin].masked_fill_(stamps_win[:, None], inf)
         return logits
 
 
@@ -263,9 +316,16 @@ class _RowState:
     finished: torch.Tensor
     sum_logprob: torch.Tensor
     loop_cut: torch.Tensor  # where a looping row's tokens are cut, -1 if it did not loop
+    continued_at: torch.Tensor  # step where it would have ended but was kept going, or -1
+    continued_sum: torch.Tensor  # sum of chosen log-probs from continued_at on
+    open_after: torch.Tensor | None  # (rows, n_timestamps) bool, see decode()
+
+    RESULTS = ("sum_logprob", "loop_cut", "continued_at", "continued_sum")
 
     @classmethod
-    def start(cls, b: int, device: torch.device) -> _RowState:
+    def start(
+        cls, b: int, device: torch.device, open_after: torch.Tensor | None = None
+    ) -> _RowState:
         minus_one = torch.full((b,), -1, dtype=torch.long, device=device)
         return cls(
             last=minus_one.clone(),
@@ -274,6 +334,9 @@ class _RowState:
             finished=torch.zeros(b, dtype=torch.bool, device=device),
             sum_logprob=f32_logprob_sums(b, device),
             loop_cut=minus_one.clone(),
+            continued_at=minus_one.clone(),
+            continued_sum=f32_logprob_sums(b, device),
+            open_after=open_after,
         )
 
     def advance(self, tokens: torch.Tensor, ts_begin: int) -> None:
@@ -284,4 +347,11 @@ class _RowState:
         )
 
     def select(self, keep: torch.Tensor) -> _RowState:
-        return _RowState(*(t.index_select(0, keep) for t in vars(self).values()))
+        return _RowState(
+            *(None if t is None else t.index_select(0, keep) for t in vars(self).values())
+        )
+
+    def store_results(self, final: _RowState, rows: torch.Tensor) -> None:
+        """Write these rows' results into `final`, the whole batch's, at global `rows`."""
+        for name in self.RESULTS:
+            getattr(final, name)[rows] = getattr(self, name)

@@ -29,16 +29,16 @@ from whisper_cli.tokenizer import TIME_PRECISION
 from whisper_cli.windows import Window, cut_windows
 
 TASKS = ("transcribe", "translate")
-MIN_TAIL_SECONDS = 1.0  # shorter untranscribed remainders of a window are not re-decoded
 # A window whose loudest sample is below this (-80 dBFS, about 3 LSB of 16-bit audio) holds
 # no audible signal; the model still writes text for it (" you"), so it is not decoded.
 SILENCE_PEAK = 1e-4
-# A remainder the model called speechless (single closing timestamp) is decoded again when
-# at least TAIL_SOUND_SECONDS of it is within TAIL_SOUND_DB of the window's loud level
-# (and above TAIL_SILENCE_DBFS: digital silence is never worth decoding).
-TAIL_SOUND_DB = 25.0
-TAIL_SOUND_SECONDS = 0.25
-TAIL_SILENCE_DBFS = -70.0
+# A window's decode may not end while the audio after its latest timestamp is at least
+# OPEN_MIN_SECONDS long and holds OPEN_SOUND_SECONDS within OPEN_SOUND_DB of the window's
+# loud level (and above OPEN_SILENCE_DBFS: digital silence is never worth decoding).
+OPEN_MIN_SECONDS = 0.3
+OPEN_SOUND_DB = 25.0
+OPEN_SOUND_SECONDS = 0.25
+OPEN_SILENCE_DBFS = -70.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,7 @@ class Transcriber:
                 max_new_tokens=options.max_new_tokens,
                 prompt_tokens=prompt,
                 sync_every=8 if on_cuda else 1,
+                open_max_no_speech=options.no_speech_threshold,
                 shrink_batch=not options.compile,
             ),
             step=step,
@@ -167,13 +168,9 @@ class Transcriber:
         started = time.perf_counter()
         done_audio = 0.0
         failed: set[int] = set()
-        tails: list[Window] = []
-        for batch in self._batches(inputs, failed, on_error, tails):
-            new_tails = self._decode_batch(inputs, batch)
-            tails.extend(new_tails)
-            done_audio += sum(len(w.audio) for w in batch if w.index >= 0) / SAMPLE_RATE
-            for window in new_tails:
-                inputs[window.source].pending += 1
+        for batch in self._batches(inputs, failed, on_error):
+            self._decode_batch(inputs, batch)
+            done_audio += sum(len(w.audio) for w in batch) / SAMPLE_RATE
             for window in batch:
                 item = inputs[window.source]
                 item.pending -= 1
@@ -210,33 +207,22 @@ class Transcriber:
             item.cut_done = True
 
     def _batches(
-        self,
-        inputs: list[_Input],
-        failed: set[int],
-        on_error: Callable[[InputError], None],
-        tails: list[Window],
+        self, inputs: list[_Input], failed: set[int], on_error: Callable[[InputError], None]
     ) -> Iterator[list[Window]]:
-        """Batches of fresh windows, with the tails to re-decode going first."""
-        fresh = self._windows(inputs, failed, on_error)
-        size = self.options.batch_size
-        while True:
-            batch, tails[:] = tails[:size], tails[size:]
-            batch.extend(itertools.islice(fresh, size - len(batch)))
-            if not batch:
-                return
+        windows = self._windows(inputs, failed, on_error)
+        while batch := list(itertools.islice(windows, self.options.batch_size)):
             yield batch
 
     # -- decoding --------------------------------------------------------------------
 
-    def _decode_batch(self, inputs: list[_Input], batch: list[Window]) -> list[Window]:
+    def _decode_batch(self, inputs: list[_Input], batch: list[Window]) -> None:
         """Decode a batch in chunks of self.rows; out of memory halves self.rows and retries."""
         batch = [w for w in batch if w.audio.size and np.abs(w.audio).max() >= SILENCE_PEAK]
-        tails: list[Window] = []
         done = 0
         while done < len(batch):
             chunk = batch[done : done + self.rows]
             try:
-                tails += self._decode_rows(inputs, chunk)
+                self._decode_rows(inputs, chunk)
             except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError in newer torch
                 if self.rows == 1:
                     raise WhisperCliError("out of memory with a batch of one window") from None
@@ -251,9 +237,8 @@ class Transcriber:
                 )
                 continue  # nothing of the chunk was kept: decode it again, smaller
             done += len(chunk)
-        return tails
 
-    def _decode_rows(self, inputs: list[_Input], batch: list[Window]) -> list[Window]:
+    def _decode_rows(self, inputs: list[_Input], batch: list[Window]) -> None:
         device = self.loaded.policy.device
         n_rows = self.rows if self.pad_batches else len(batch)
         mel = batch_log_mel(
@@ -263,18 +248,26 @@ class Transcriber:
             features = self.decoder.encode(mel)
         languages = self._languages(inputs, batch, features)
         languages += [languages[0]] * (n_rows - len(batch))  # padding rows
-        rows = self.decoder.decode(features, languages)
-        tails = []
+        open_after = None
+        if self.options.timestamps:
+            n_ts = self.loaded.config.vocab_size - self.loaded.tokenizer.special.timestamp_begin
+            table = np.zeros((n_rows, n_ts), dtype=bool)  # padding rows: never open
+            for r, window in enumerate(batch):
+                table[r] = open_after_timestamps(window.audio, n_ts)
+            open_after = torch.from_numpy(table).to(device)
+        rows = self.decoder.decode(features, languages, open_after)
         for window, row in zip(batch, rows, strict=False):
             item = inputs[window.source]
             duration = len(window.audio) / SAMPLE_RATE
             if self._is_silent(row.no_speech_prob, row.avg_logprob, row.tokens):
                 continue
-            tail = self._tail(window, row.tokens)
-            if tail is not None:
-                tails.append(tail)
+            tokens = row.tokens
+            if row.continued_at >= 0 and row.continued_logprob < self.options.logprob_threshold:
+                # Kept going past where it would have ended (the audio after it still held
+                # sound) and wrote text it is unsure of: noise, not speech. Drop that text.
+                tokens = tokens[: row.continued_at]
             segments = window_segments(
-                row.tokens,
+                tokens,
                 self.loaded.tokenizer,
                 offset=window.start,
                 duration=duration,
@@ -287,31 +280,6 @@ class Transcriber:
                 for s in segments
                 if s.compression_ratio <= self.options.compression_ratio_threshold
             )
-        return tails
-
-    def _tail(self, window: Window, tokens: tuple[int, ...]) -> Window | None:
-        """The audio after the last closed segment, when the model stopped before the end.
-
-        A window whose tokens end in a timestamp pair left its remaining audio
-        untranscribed (the model expects a continuation); openai-whisper seeks there
-        and decodes again. Windows here are independent, so only that remainder is
-        decoded again, as a shorter window of its own in a later batch.
-        """
-        ts_begin = self.loaded.tokenizer.special.timestamp_begin
-        if not self.options.timestamps or len(tokens) < 2 or tokens[-1] < ts_begin:
-            return None
-        last = (tokens[-1] - ts_begin) * TIME_PRECISION
-        start = round(last * SAMPLE_RATE)
-        if last <= 0 or len(window.audio) - start < MIN_TAIL_SECONDS * SAMPLE_RATE:
-            return None
-        # A single closing timestamp claims there is no speech after it, but after a pause
-        # the model often stops early and whole utterances would be lost: decode the rest
-        # again unless it is quiet.
-        if tokens[-2] < ts_begin and not _has_sound(window.audio, start):
-            return None
-        return Window(
-            source=window.source, index=-1, start=window.start + last, audio=window.audio[start:]
-        )
 
     def _is_silent(
         self, no_speech_prob: float, avg_logprob: float, tokens: tuple[int, ...]
@@ -376,19 +344,28 @@ class Transcriber:
         )
 
 
-def _has_sound(audio: np.ndarray, start: int) -> bool:
-    """Whether ``audio[start:]`` holds sound near the loud level of the whole window.
+def open_after_timestamps(audio: np.ndarray, n_timestamps: int) -> np.ndarray:
+    """(n_timestamps,) bool: whether the window's audio after each timestamp is still open.
 
-    Levels of 20 ms frames in dB; the window's loud level is its 95th percentile. Digital
-    silence or room noise far below the speech is not worth decoding again.
+    Whisper ends a window early when it takes the last utterance for one that runs on
+    past the window (openai-whisper then seeks there and decodes again), and after a
+    pause it often ends wrongly, so whole utterances would be lost. Windows here are cut
+    at pauses and decoded independently, so the decoder instead may not end while the
+    audio after its latest timestamp is open: at least OPEN_MIN_SECONDS long, with
+    OPEN_SOUND_SECONDS of 20 ms frames (one timestamp step) near the window's loud level
+    (its 95th percentile, less OPEN_SOUND_DB, and above OPEN_SILENCE_DBFS).
     """
-    frame = SAMPLE_RATE // 50
+    frame = round(TIME_PRECISION * SAMPLE_RATE)
     n = len(audio) // frame
-    if n == 0 or len(audio) - start < frame:
-        return False
+    out = np.zeros(n_timestamps, dtype=bool)
+    if n == 0:
+        return out
     power = np.square(audio[: n * frame], dtype=np.float64).reshape(n, frame).mean(axis=1)
     level = 10 * np.log10(power + 1e-10)
-    threshold = max(np.percentile(level, 95) - TAIL_SOUND_DB, TAIL_SILENCE_DBFS)
-    after = level[-(-start // frame) :]  # frames that start at or after `start`
-    loud_frames = np.count_nonzero(after > threshold)
-    return bool(loud_frames * frame >= TAIL_SOUND_SECONDS * SAMPLE_RATE)
+    threshold = max(np.percentile(level, 95) - OPEN_SOUND_DB, OPEN_SILENCE_DBFS)
+    loud_after = np.cumsum((level > threshold)[::-1])[::-1]  # loud frames from frame f on
+    left = len(audio) / SAMPLE_RATE - np.arange(n) * TIME_PRECISION  # seconds after f
+    ok = (loud_after * TIME_PRECISION >= OPEN_SOUND_SECONDS) & (left >= OPEN_MIN_SECONDS)
+    m = min(n, n_timestamps)
+    out[:m] = ok[:m]
+    return out

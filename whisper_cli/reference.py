@@ -3,9 +3,11 @@
 The reference sees the same audio cut into the same windows (`cut_windows`), in batches of
 the same size, in the same dtype and on the same device, and decodes greedily with the same
 timestamp mode and token budget; only the model code, the feature extractor and the
-generation loop are transformers' own. Its texts should therefore match whisper-cli's: both
-re-decode a window's remainder after its last timestamp pair (transformers seeks within the
-window, whisper-cli decodes a "tail" window), so differences point at a real divergence.
+generation loop are transformers' own. Its texts should therefore match whisper-cli's
+wherever the model reads a window to its end. Where it ends early with speech left,
+transformers seeks there and decodes the remainder again on its own, while whisper-cli
+goes on in the same decode (see pipeline.open_after_timestamps): words near such a point
+may differ, and the comparison counts them.
 
 transformers is imported here only, and lazily: the rest of whisper-cli never needs it.
 """
