@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from whisper_cli.allocator import keep_freed_memory
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.features import N_SAMPLES, SAMPLE_RATE
 
@@ -453,6 +454,7 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
     from whisper_cli.loading import load_model
     from whisper_cli.pipeline import TranscribeOptions, Transcriber
 
+    keep_freed_memory()  # as the CLI does
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
     policy = resolve_policy(spec["dtype"], spec["device"])

@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from whisper_cli.allocator import keep_freed_memory
 from whisper_cli.errors import (
     EXIT_INPUT_FAILED,
     EXIT_INTERRUPTED,
@@ -395,6 +396,7 @@ def _check_interrupt() -> None:
 
 def main() -> None:
     debug = "--debug" in sys.argv[1:]
+    keep_freed_memory()
     signal.signal(signal.SIGINT, _on_sigint)
     sys.unraisablehook = _unraisable
     try:
