@@ -2,7 +2,7 @@
 
 Builds N minutes of real English speech from ../shared/audio (with its reference text),
 then times each implementation as a separate process (load included), `--repeats`
-times, and prints the median and the WER of each row. faster-whisper is not a
+times in round-robin order, and prints the median and the WER of each row. faster-whisper is not a
 dependency: pass the Python of a throw-away environment that has it with --fw-python,
 and the CTranslate2 model directories (make models leaves them under .cache/ct2).
 
@@ -122,6 +122,7 @@ def main() -> None:
         reference = build_speech(args.minutes, wav)
         seconds = sf.info(wav).duration
         print(f"audio: {seconds:.0f} s of real English speech", file=sys.stderr)
+        runs: list[tuple[tuple, list[str]]] = []
         for model in args.models.split(","):
             hf_dir, ct2_dir = REPO / "models" / model, REPO / ".cache" / "ct2" / model
             for dtype in args.dtypes.split(","):
@@ -166,24 +167,31 @@ def main() -> None:
                         str(wav),
                     ]
                 for name, cmd in commands.items():
-                    if name not in args.only.split(","):
-                        continue
-                    walls, text = [], ""
-                    for _ in range(args.repeats):
-                        wall, text = timed(cmd)
-                        walls.append(wall)
-                    row = {
-                        "impl": name,
-                        "model": model,
-                        "dtype": dtype,
-                        "wall_s": round(statistics.median(walls), 1),
-                        "walls": [round(w, 1) for w in walls],
-                        "rtfx": round(seconds / statistics.median(walls), 1),
-                        "wer": round(100 * wer(reference, text), 2),
-                        "words": len(text.split()),
-                    }
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    if name in args.only.split(","):
+                        runs.append(((name, model, dtype), cmd))
+        # Round-robin: repeat r of every run before repeat r + 1 of any, so that a slow
+        # spell of a shared machine lands on all rows alike rather than on one.
+        walls: dict[tuple, list[float]] = {key: [] for key, _ in runs}
+        texts: dict[tuple, str] = {}
+        for _ in range(args.repeats):
+            for key, cmd in runs:
+                wall, texts[key] = timed(cmd)
+                walls[key].append(wall)
+                print(f"{key}: {wall:.1f} s", file=sys.stderr, flush=True)
+        for (name, model, dtype), _ in runs:
+            key = (name, model, dtype)
+            row = {
+                "impl": name,
+                "model": model,
+                "dtype": dtype,
+                "wall_s": round(statistics.median(walls[key]), 1),
+                "walls": [round(w, 1) for w in walls[key]],
+                "rtfx": round(seconds / statistics.median(walls[key]), 1),
+                "wer": round(100 * wer(reference, texts[key]), 2),
+                "words": len(texts[key].split()),
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         print(f"reference words: {len(reference.split())}", file=sys.stderr)
     print("| impl | model | dtype | wall s (median) | RTFx | WER % | words |")
     print("|---|---|---|---|---|---|---|")

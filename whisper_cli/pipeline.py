@@ -39,6 +39,11 @@ OPEN_MIN_SECONDS = 0.3
 OPEN_SOUND_DB = 25.0
 OPEN_SOUND_SECONDS = 0.25
 OPEN_SILENCE_DBFS = -70.0
+# Text written after the point where the decoder would have ended is kept only when its
+# average log-prob is at least this. On the shared clips, speech read there scored -0.07
+# to -0.44, and what the models wrote for noise ("Thank you.", "Wow.", "Ah!") -0.88 to
+# -1.5.
+CONTINUED_LOGPROB = -0.6
 
 
 @dataclass(frozen=True)
@@ -262,7 +267,7 @@ class Transcriber:
             if self._is_silent(row.no_speech_prob, row.avg_logprob, row.tokens):
                 continue
             tokens = row.tokens
-            if row.continued_at >= 0 and row.continued_logprob < self.options.logprob_threshold:
+            if row.continued_at >= 0 and row.continued_logprob < CONTINUED_LOGPROB:
                 # Kept going past where it would have ended (the audio after it still held
                 # sound) and wrote text it is unsure of: noise, not speech. Drop that text.
                 tokens = tokens[: row.continued_at]
