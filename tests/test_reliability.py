@@ -413,6 +413,22 @@ def test_speech_then_silence_gives_only_the_speech(tmp_path, default_transcriber
     assert result.duration == pytest.approx(len(padded) / rate, abs=0.01)
 
 
+def test_text_past_the_models_own_end_is_kept_only_when_confident(
+    tmp_path, default_transcriber, monkeypatch
+) -> None:
+    """After "your country" base wants to end; the crowd noise left in the window keeps it
+    going, and it writes " Wow." at an average log-prob of about -1.3: that is dropped."""
+    from whisper_cli import pipeline
+
+    samples, rate = sf.read(shared_clip("jfk.flac"), dtype="float32")
+    padded = np.concatenate([samples.mean(axis=1), np.zeros(20 * rate, np.float32)])
+    path = write_wav(tmp_path / "jfk_then_silence.wav", padded, rate=rate)
+    assert words(default_transcriber("base").transcribe(str(path)).text) == JFK_WORDS
+    monkeypatch.setattr(pipeline, "CONTINUED_LOGPROB", -5.0)  # keep whatever it writes
+    kept = words(default_transcriber("base").transcribe(str(path)).text)
+    assert kept.startswith(JFK_WORDS) and kept != JFK_WORDS
+
+
 def check_speech_kept(monkeypatch, t, model: str, clip: str, expect: str) -> None:
     seen = guard_spy(monkeypatch, t)
     result = t.transcribe(str(shared_clip(clip)))
