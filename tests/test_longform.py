@@ -252,6 +252,34 @@ def test_open_after_timestamps_needs_sound_near_the_speech_level() -> None:
     assert not pipeline.open_after_timestamps(np.zeros(0, np.float32), 1501).any()
 
 
+def test_text_past_the_models_end_must_be_confident_and_fit_the_audio(tiny_en, transcriber) -> None:
+    """Seen on tiled speech: after wanting to end at 29.0 s of a 29.95 s window, tiny.en
+    bf16 wrote the window's sentence again (118 characters in 0.95 s) at log-prob -0.31."""
+    from whisper_cli.decoding import DecodedRow
+
+    t = transcriber(tiny_en)
+    ts = tiny_en.tokenizer.special.timestamp_begin
+    before = (ts, *tiny_en.tokenizer.encode_text(" Ask not."), ts + 1450)  # ends at 29.00 s
+    sentence = " And so my fellow Americans ask not what your country can do for you."
+
+    def holds(text: str, logprob: float = -0.3, duration: float = 29.95) -> bool:
+        after = (ts + 1450, *tiny_en.tokenizer.encode_text(text), ts + 1495)
+        row = DecodedRow(
+            tokens=before + after,
+            avg_logprob=-0.3,
+            no_speech_prob=0.01,
+            language=None,
+            continued_at=len(before),
+            continued_logprob=logprob,
+        )
+        return t._continued_text_holds(row, duration)
+
+    assert holds(" Thank you.")  # 10 characters in 0.95 s
+    assert not holds(" Thank you.", logprob=-0.9)  # unsure: noise
+    assert not holds(sentence)  # 70 characters cannot be said in 0.95 s
+    assert holds(sentence, duration=29.0 + 4.0)  # in 4 s they can
+
+
 # --- 3. batching changes nothing -------------------------------------------------------------
 
 

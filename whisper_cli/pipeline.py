@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from whisper_cli.audio import AudioSource, open_audio
-from whisper_cli.decoding import DecodeOptions, GreedyDecoder, LanguageGuess
+from whisper_cli.decoding import DecodedRow, DecodeOptions, GreedyDecoder, LanguageGuess
 from whisper_cli.dtypes import dtype_name
 from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.features import SAMPLE_RATE, batch_log_mel
@@ -44,6 +44,9 @@ OPEN_SILENCE_DBFS = -70.0
 # to -0.44, and what the models wrote for noise ("Thank you.", "Wow.", "Ah!") -0.88 to
 # -1.5.
 CONTINUED_LOGPROB = -0.6
+# ... and when it fits the audio left after the point: speech read there ran at up to 21
+# characters per second.
+CONTINUED_MAX_CHARS_PER_SECOND = 30.0
 
 
 @dataclass(frozen=True)
@@ -267,9 +270,7 @@ class Transcriber:
             if self._is_silent(row.no_speech_prob, row.avg_logprob, row.tokens):
                 continue
             tokens = row.tokens
-            if row.continued_at >= 0 and row.continued_logprob < CONTINUED_LOGPROB:
-                # Kept going past where it would have ended (the audio after it still held
-                # sound) and wrote text it is unsure of: noise, not speech. Drop that text.
+            if row.continued_at >= 0 and not self._continued_text_holds(row, duration):
                 tokens = tokens[: row.continued_at]
             segments = window_segments(
                 tokens,
@@ -285,6 +286,24 @@ class Transcriber:
                 for s in segments
                 if s.compression_ratio <= self.options.compression_ratio_threshold
             )
+
+    def _continued_text_holds(self, row: DecodedRow, duration: float) -> bool:
+        """Whether text written past the point the model would have ended is kept.
+
+        The audio after that point held sound, so the decoder went on; what it wrote is
+        kept when it is confident (noise gives " Thank you." or " Wow." at low log-probs)
+        and fits the audio left (it may also repeat the window's earlier text, at an
+        impossible rate: 75-125 characters per second on tiled speech).
+        """
+        if row.continued_logprob < CONTINUED_LOGPROB:
+            return False
+        tokenizer = self.loaded.tokenizer
+        ts_begin = tokenizer.special.timestamp_begin
+        before, after = row.tokens[: row.continued_at], row.tokens[row.continued_at :]
+        stamps = [t for t in before if t >= ts_begin]
+        left = duration - ((stamps[-1] - ts_begin) * TIME_PRECISION if stamps else 0.0)
+        chars = len(tokenizer.decode([t for t in after if t < ts_begin]).strip())
+        return chars <= CONTINUED_MAX_CHARS_PER_SECOND * max(left, 0.0)
 
     def _is_silent(
         self, no_speech_prob: float, avg_logprob: float, tokens: tuple[int, ...]
