@@ -254,7 +254,8 @@ def test_open_after_timestamps_needs_sound_near_the_speech_level() -> None:
 
 def test_text_past_the_models_end_must_be_confident_and_fit_the_audio(tiny_en, transcriber) -> None:
     """Seen on tiled speech: after wanting to end at 29.0 s of a 29.95 s window, tiny.en
-    bf16 wrote the window's sentence again (118 characters in 0.95 s) at log-prob -0.31."""
+    bf16 wrote the window's sentence again (118 characters in 0.95 s) at log-prob -0.31;
+    on the demo clip it wrote its last sentence twice."""
     from whisper_cli.decoding import DecodedRow
 
     t = transcriber(tiny_en)
@@ -262,8 +263,10 @@ def test_text_past_the_models_end_must_be_confident_and_fit_the_audio(tiny_en, t
     before = (ts, *tiny_en.tokenizer.encode_text(" Ask not."), ts + 1450)  # ends at 29.00 s
     sentence = " And so my fellow Americans ask not what your country can do for you."
 
-    def holds(text: str, logprob: float = -0.3, duration: float = 29.95) -> bool:
-        after = (ts + 1450, *tiny_en.tokenizer.encode_text(text), ts + 1495)
+    def kept(texts: list[str], logprob: float = -0.3, duration: float = 29.95) -> str:
+        after: tuple[int, ...] = ()
+        for text in texts:  # one segment each; only the text's length is judged
+            after += (ts + 1450, *tiny_en.tokenizer.encode_text(text), ts + 1470)
         row = DecodedRow(
             tokens=before + after,
             avg_logprob=-0.3,
@@ -272,12 +275,15 @@ def test_text_past_the_models_end_must_be_confident_and_fit_the_audio(tiny_en, t
             continued_at=len(before),
             continued_logprob=logprob,
         )
-        return t._continued_text_holds(row, duration)
+        end = t._continued_end(row, duration)
+        return tiny_en.tokenizer.decode([x for x in row.tokens[len(before) : end] if x < ts])
 
-    assert holds(" Thank you.")  # 10 characters in 0.95 s
-    assert not holds(" Thank you.", logprob=-0.9)  # unsure: noise
-    assert not holds(sentence)  # 70 characters cannot be said in 0.95 s
-    assert holds(sentence, duration=29.0 + 4.0)  # in 4 s they can
+    assert kept([" Thank you."]) == " Thank you."  # 10 characters in 0.95 s
+    assert kept([" Thank you."], logprob=-0.9) == ""  # unsure: noise
+    assert kept([sentence]) == ""  # 70 characters cannot be said in 0.95 s
+    assert kept([sentence], duration=29.0 + 4.0) == sentence  # in 4 s they can
+    # The same sentence again does not fit: the first is kept, the repetition is not.
+    assert kept([sentence, sentence], duration=29.0 + 4.0) == sentence
 
 
 # --- 3. batching changes nothing -------------------------------------------------------------

@@ -270,8 +270,8 @@ class Transcriber:
             if self._is_silent(row.no_speech_prob, row.avg_logprob, row.tokens):
                 continue
             tokens = row.tokens
-            if row.continued_at >= 0 and not self._continued_text_holds(row, duration):
-                tokens = tokens[: row.continued_at]
+            if row.continued_at >= 0:
+                tokens = tokens[: self._continued_end(row, duration)]
             segments = window_segments(
                 tokens,
                 self.loaded.tokenizer,
@@ -287,23 +287,31 @@ class Transcriber:
                 if s.compression_ratio <= self.options.compression_ratio_threshold
             )
 
-    def _continued_text_holds(self, row: DecodedRow, duration: float) -> bool:
-        """Whether text written past the point the model would have ended is kept.
+    def _continued_end(self, row: DecodedRow, duration: float) -> int:
+        """How many of the row's tokens are kept when it went on past its own end.
 
-        The audio after that point held sound, so the decoder went on; what it wrote is
-        kept when it is confident (noise gives " Thank you." or " Wow." at low log-probs)
-        and fits the audio left (it may also repeat the window's earlier text, at an
-        impossible rate: 75-125 characters per second on tiled speech).
+        The audio after the point where it would have ended held sound, so the decoder
+        went on. What it wrote there is kept when it is confident (noise gives " Thank
+        you." or " Wow." at low log-probs), and then segment by segment while the text
+        fits the audio left: it may also repeat the last sentence, or the window's
+        earlier text, at a rate no one speaks.
         """
         if row.continued_logprob < CONTINUED_LOGPROB:
-            return False
+            return row.continued_at
         tokenizer = self.loaded.tokenizer
         ts_begin = tokenizer.special.timestamp_begin
-        before, after = row.tokens[: row.continued_at], row.tokens[row.continued_at :]
-        stamps = [t for t in before if t >= ts_begin]
+        stamps = [t for t in row.tokens[: row.continued_at] if t >= ts_begin]
         left = duration - ((stamps[-1] - ts_begin) * TIME_PRECISION if stamps else 0.0)
-        chars = len(tokenizer.decode([t for t in after if t < ts_begin]).strip())
-        return chars <= CONTINUED_MAX_CHARS_PER_SECOND * max(left, 0.0)
+        budget = CONTINUED_MAX_CHARS_PER_SECOND * max(left, 0.0)
+        end, text = row.continued_at, []
+        for i in range(row.continued_at, len(row.tokens)):
+            if row.tokens[i] < ts_begin:
+                text.append(row.tokens[i])
+            elif text and row.tokens[i - 1] < ts_begin:  # a segment's closing timestamp
+                if len(tokenizer.decode(text).strip()) > budget:
+                    break
+                end = i + 1
+        return end
 
     def _is_silent(
         self, no_speech_prob: float, avg_logprob: float, tokens: tuple[int, ...]
