@@ -286,6 +286,11 @@ class GreedyDecoder:
             floor = torch.where(opened, state.max_ts, state.max_ts + 1) - ts_begin
             stamps.masked_fill_(self.ts_index < floor[:, None], inf)
         stamps_lse = f32_logsumexp(stamps)  # (rows,) the timestamps' mass, unnormalised
+        # The best text token other than end-of-text, and end-of-text itself (a view).
+        others = torch.maximum(
+            logits[:, :eot].amax(dim=-1), logits[:, eot + 1 : ts_begin].amax(dim=-1)
+        )
+        eot_logit = logits[:, eot]
         if i > 0 and state.open_after is not None:
             # The model ends a window early when it takes the last utterance for one that
             # runs on past the window, and after a pause it often ends wrongly: while
@@ -294,14 +299,15 @@ class GreedyDecoder:
             # that what it wrote from there on can be judged on its own.
             latest = (state.max_ts - ts_begin).clamp(min=0)
             still_open = last_ts & state.open_after.gather(1, latest[:, None])[:, 0]
-            eot_logit = logits[:, eot]
-            would_end = (eot_logit >= logits.amax(dim=-1)) & (eot_logit >= stamps_lse)
+            # Greedy would pick end-of-text: above every other text token, and not beaten
+            # by the timestamps' mass (which is at least every single timestamp).
+            would_end = (eot_logit >= others) & (eot_logit >= stamps_lse)
             first = still_open & would_end & (state.continued_at < 0)
             state.continued_at = torch.where(first, i, state.continued_at)
             eot_logit.masked_fill_(still_open, inf)
         # If the timestamps together are likelier than any text token, emit a timestamp:
         # log-sum-exp(timestamps) > max(text) in log-probs, the row's normaliser cancels.
-        stamps_win = stamps_lse > logits[:, :ts_begin].amax(dim=-1)
+        stamps_win = stamps_lse > torch.maximum(others, eot_logit)
         logits[:, :ts_begin].masked_fill_(stamps_win[:, None], inf)
         return logits
 

@@ -40,9 +40,9 @@ OPEN_SOUND_DB = 25.0
 OPEN_SOUND_SECONDS = 0.25
 OPEN_SILENCE_DBFS = -70.0
 # Text written after the point where the decoder would have ended is kept only when its
-# average log-prob is at least this. On the shared clips, speech read there scored -0.07
-# to -0.44, and what the models wrote for noise ("Thank you.", "Wow.", "Ah!") -0.88 to
-# -1.5.
+# average log-prob is at least this. On the shared clips and tiled copies of them, speech
+# read there scored -0.05 to -0.44, and what the models wrote for noise ("Thank you.",
+# "Wow.", "Ah!") -0.69 to -1.5.
 CONTINUED_LOGPROB = -0.6
 # ... and when it fits the audio left after the point: speech read there ran at up to 21
 # characters per second.
