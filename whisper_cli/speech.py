@@ -1,0 +1,180 @@
+"""Where speech is: the Silero VAD network, and a per-input speech map (probability per frame).
+
+The network is our own small module over the weights of the MIT-licensed `silero-vad`
+wheel's default model, read from the installed package and never from a hub. The package
+itself is not imported: `import silero_vad` calls `torch.set_num_threads(1)`, which would
+halve the CPU path of the whole run.
+
+Silero scores 32 ms frames (512 samples at 16 kHz), each seen with the 64 samples before
+it, through a small conv front end and an LSTM whose state runs through the input. Here
+the conv front end runs over every frame of a block at once and the LSTM over the whole
+block as one sequence (one fused kernel call), with the context and LSTM state carried
+from block to block, so the map of an input of any length is computed as it streams.
+It runs in float32 whatever the run's dtype (a listed exception in dtypes.py).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from whisper_cli.errors import WhisperCliError
+
+SAMPLE_RATE = 16000
+FRAME_SAMPLES = 512  # one speech-map frame: 32 ms
+FRAME_SECONDS = FRAME_SAMPLES / SAMPLE_RATE
+CONTEXT_SAMPLES = 64  # each frame is scored with the 64 samples before it
+# The release whose weights and thresholds the policy was calibrated with (pinned in
+# pyproject.toml: Silero's thresholds change between major versions).
+SILERO_PACKAGE = "silero-vad"
+# The package's default model (what `load_silero_vad()` returns). Its weights are read
+# from the TorchScript archive: the wheel's silero_vad_16k.safetensors holds other weights
+# (only the STFT basis is the same) and does not reproduce the default model.
+SILERO_ARCHIVE = "silero_vad/data/silero_vad.jit"
+# Archive names (16 kHz model) -> ours.
+_NAMES = {
+    "_model.stft.forward_basis_buffer": "stft_conv.weight",
+    **{
+        f"_model.encoder.{i}.reparam_conv.{w}": f"conv{i + 1}.{w}"
+        for i in range(4)
+        for w in ("weight", "bias")
+    },
+    **{
+        f"_model.decoder.rnn.{w}": f"lstm.{w}_l0"
+        for w in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+    },
+    "_model.decoder.decoder.2.weight": "final_conv.weight",
+    "_model.decoder.decoder.2.bias": "final_conv.bias",
+}
+
+
+class SileroVAD(nn.Module):
+    """Silero VAD v5/v6 (16 kHz): frames of 512 samples (+64 of context) -> P(speech)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # A learned STFT: 129 real and 129 imaginary filters of 256 samples, hop 128.
+        self.stft_conv = nn.Conv1d(1, 258, kernel_size=256, stride=128, bias=False)
+        self.conv1 = nn.Conv1d(129, 128, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(128, 64, kernel_size=3, stride=2, padding=1)
+        self.conv3 = nn.Conv1d(64, 64, kernel_size=3, stride=2, padding=1)
+        self.conv4 = nn.Conv1d(64, 128, kernel_size=3, padding=1)
+        self.lstm = nn.LSTM(128, 128, batch_first=True)
+        self.final_conv = nn.Conv1d(128, 1, kernel_size=1)
+
+    def forward(
+        self, frames: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """frames (N, 576): consecutive frames with their context -> (N,) probs, new state.
+
+        Each frame's convolutions see only 4, 2 and 1 time steps, where Conv1d's per-call
+        overhead dominates: they run as one matmul each over the unfolded taps (3x faster
+        on CPU), with the checkpoint's Conv1d weights.
+        """
+        x = F.pad(frames, (0, 64), mode="reflect")  # (N, 640)
+        x = x.unfold(1, 256, 128) @ self.stft_conv.weight[:, 0].T  # (N, 4, 258)
+        x = (x[..., :129] ** 2 + x[..., 129:] ** 2).sqrt()  # magnitudes (N, 4, 129)
+        x = _conv(x, self.conv1, stride=1)  # (N, 4, 128)
+        x = _conv(x, self.conv2, stride=2)  # (N, 2, 64)
+        x = _conv(x, self.conv3, stride=2)  # (N, 1, 64)
+        x = _conv(x, self.conv4, stride=1)[:, 0]  # (N, 128)
+        h, state = self.lstm(x[None], state)  # the frames as one sequence: (1, N, 128)
+        p = torch.sigmoid(F.relu(h[0]) @ self.final_conv.weight[:, :, 0].T + self.final_conv.bias)
+        return p[:, 0], state
+
+
+def _conv(x: torch.Tensor, conv: nn.Conv1d, stride: int) -> torch.Tensor:
+    """ReLU(conv(x)) for a kernel-3, padding-1 Conv1d, time-major: (N, T, C) -> (N, T', C')."""
+    taps = F.pad(x, (0, 0, 1, 1)).unfold(1, 3, stride)  # (N, T', C, 3)
+    w = conv.weight.reshape(conv.out_channels, -1)  # (C', C * 3), same (C, tap) order
+    return F.relu(taps.flatten(2) @ w.T + conv.bias)
+
+
+def silero_archive_path() -> Path:
+    """The default model's file in the installed silero-vad wheel (no import, no hub)."""
+    try:
+        dist = importlib.metadata.distribution(SILERO_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise WhisperCliError(
+            "the speech detector needs the silero-vad package (pip install silero-vad), "
+            "or run with --no-vad"
+        ) from None
+    path = Path(str(dist.locate_file(SILERO_ARCHIVE)))
+    if not path.is_file():
+        raise WhisperCliError(f"silero-vad {dist.version} has no {SILERO_ARCHIVE}")
+    return path
+
+
+def load_detector(path: Path | None = None) -> SileroVAD:
+    """The detector in float32 on the CPU, strictly loaded from the wheel's default model."""
+    with warnings.catch_warnings():  # torch 2.13 calls TorchScript deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        archive = torch.jit.load(str(path or silero_archive_path()), map_location="cpu")
+    state = {ours: archive.state_dict()[theirs] for theirs, ours in _NAMES.items()}
+    model = SileroVAD()
+    model.load_state_dict(state, strict=True)
+    return model.eval().requires_grad_(False)
+
+
+@dataclass
+class SpeechStream:
+    """The speech map of one input, computed block by block as its audio streams.
+
+    `push` takes 16 kHz mono samples and returns the probabilities of the frames they
+    complete; `finish` scores the last partial frame (zero-padded, as Silero does).
+    `probs` holds every frame's probability so far (4 bytes per 32 ms: 450 KB an hour).
+    """
+
+    detector: SileroVAD
+    probs: list[np.ndarray] = field(default_factory=list)
+    _pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    _context: np.ndarray = field(default_factory=lambda: np.zeros(CONTEXT_SAMPLES, np.float32))
+    _state: tuple[torch.Tensor, torch.Tensor] | None = None
+    samples: int = 0  # samples pushed
+    seconds: float = 0.0  # wall time spent scoring
+
+    def push(self, audio: np.ndarray) -> np.ndarray:
+        self.samples += len(audio)
+        data = np.concatenate([self._pending, audio.astype(np.float32, copy=False)])
+        n = len(data) // FRAME_SAMPLES
+        self._pending = data[n * FRAME_SAMPLES :]
+        return self._score(data[: n * FRAME_SAMPLES])
+
+    def finish(self) -> np.ndarray:
+        if not len(self._pending):
+            return np.zeros(0, np.float32)
+        tail = np.zeros(FRAME_SAMPLES, np.float32)
+        tail[: len(self._pending)] = self._pending
+        self._pending = np.zeros(0, np.float32)
+        return self._score(tail)
+
+    def _score(self, data: np.ndarray) -> np.ndarray:
+        n = len(data) // FRAME_SAMPLES
+        if n == 0:
+            return np.zeros(0, np.float32)
+        with_context = np.concatenate([self._context, data])
+        # Frame i with its context: samples [i*512, i*512 + 576) of with_context.
+        frames = np.lib.stride_tricks.sliding_window_view(
+            with_context, FRAME_SAMPLES + CONTEXT_SAMPLES
+        )[::FRAME_SAMPLES]
+        self._context = with_context[-CONTEXT_SAMPLES:].copy()
+        started = time.perf_counter()
+        with torch.inference_mode():
+            x = torch.from_numpy(frames.copy())  # (N, 576), a writable copy of the strided view
+            probs, self._state = self.detector(x, self._state)
+        self.seconds += time.perf_counter() - started
+        out = probs.numpy().astype(np.float32)
+        self.probs.append(out)
+        return out
+
+    def map(self) -> np.ndarray:
+        """(frames,) float32 speech probability of every frame scored so far."""
+        return np.concatenate(self.probs) if self.probs else np.zeros(0, np.float32)
