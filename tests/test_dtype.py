@@ -2,8 +2,9 @@
 
 A TorchDispatchMode sees the output of every op of a whole transcription. Only the
 exceptions listed in whisper_cli.dtypes.F32_EXCEPTIONS may produce float32 in a
-bf16/f16 run: the audio front end (log_mel) and probabilities computed from the logits
-(f32_log_softmax, f32_logsumexp, f32_logprob_sums) and whatever is computed from those.
+bf16/f16 run: the audio front end (log_mel), the speech detector (whose output is NumPy)
+and probabilities computed from the logits (f32_log_softmax, f32_logsumexp,
+f32_logprob_sums) and whatever is computed from those.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from util import real_model, shared_clip
 
 import whisper_cli.decoding as decoding
 import whisper_cli.pipeline as pipeline
-from whisper_cli import dtypes
+from whisper_cli import dtypes, speech
 from whisper_cli.loading import load_model
 from whisper_cli.pipeline import TranscribeOptions, Transcriber
 
@@ -88,6 +89,17 @@ def recorder(monkeypatch):
 
         return wrapped
 
+    def detector(fn):  # the listed exception whose float32 never leaves it (NumPy out)
+        def wrapped(*args, **kwargs):
+            rec.paused += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                rec.paused -= 1
+
+        return wrapped
+
+    monkeypatch.setattr(speech.SpeechStream, "_score", detector(speech.SpeechStream._score))
     monkeypatch.setattr(decoding, "encoder_input", encoder_door(decoding.encoder_input))
     # The listed exceptions, wrapped where they are used.
     monkeypatch.setattr(pipeline, "batch_log_mel", exception(pipeline.batch_log_mel))
@@ -98,7 +110,11 @@ def recorder(monkeypatch):
 
 
 def test_exceptions_are_listed():
-    assert set(dtypes.F32_EXCEPTIONS) == {"audio front end", "log-softmax over logits"}
+    assert set(dtypes.F32_EXCEPTIONS) == {
+        "audio front end",
+        "speech detector",
+        "log-softmax over logits",
+    }
 
 
 @pytest.mark.parametrize(

@@ -213,8 +213,9 @@ def test_long_form_matches_clips_on_their_own(
 def test_speech_after_a_pause_is_not_lost(tiny_en, transcriber, monkeypatch, tmp_path) -> None:
     """After a pause the model often ends a window early and what follows would be lost.
 
-    The decoder may not end while sound remains after its latest timestamp: here the
-    utterance after a 5 s pause is transcribed, and without the rule it is dropped.
+    The decoder may not end while the speech map holds speech after its latest timestamp:
+    here the utterance after a 5 s pause (one window with it) is transcribed, and without
+    the rule it is dropped.
     """
     jfk = load_audio(shared_clip("jfk.flac"))
     left = load_audio(shared_clip("stereo_diarization.wav"), "left")
@@ -223,67 +224,30 @@ def test_speech_after_a_pause_is_not_lost(tiny_en, transcriber, monkeypatch, tmp
     sf.write(path, np.concatenate([jfk, pause, left]), SAMPLE_RATE, subtype="FLOAT")
     after_pause = "wizard who had vanished behind the curtain"
 
-    segments = transcriber(tiny_en).transcribe(str(path)).segments
+    t = transcriber(tiny_en)
+    segments = t.transcribe(str(path)).segments
+    assert t.counters.windows == 1
     assert "ask not what your country" in english(" ".join(s.text for s in segments))
     (late,) = [s for s in segments if after_pause in english(s.text)]
     assert late.start >= 16.0 - 0.5  # it starts after the pause, where it is
 
-    never_open = lambda audio, n: np.zeros(n, dtype=bool)  # noqa: E731
-    monkeypatch.setattr(pipeline, "open_after_timestamps", never_open)
+    never = lambda speech, n, seconds: np.zeros(n, dtype=bool)  # noqa: E731
+    monkeypatch.setattr(pipeline, "speech_after_timestamps", never)
     dropped = transcriber(tiny_en).transcribe(str(path)).text
     assert after_pause not in english(dropped)  # what the rule is for
 
 
-def test_open_after_timestamps_needs_sound_near_the_speech_level() -> None:
-    jfk = load_audio(shared_clip("jfk.flac"))
-    head, speech = jfk[: 3 * SAMPLE_RATE], jfk[3 * SAMPLE_RATE : 10 * SAMPLE_RATE]
-
-    def open_at(after: np.ndarray) -> np.ndarray:
-        return pipeline.open_after_timestamps(np.concatenate([head, after]), 1501)
-
-    at_3s, per_second = 150, 50  # timestamps are 20 ms apart
-    assert open_at(speech)[at_3s] and open_at(speech)[0]
-    too_short = round((10.0 - pipeline.OPEN_MIN_SECONDS) * per_second) + 1
-    assert open_at(speech)[too_short - 2] and not open_at(speech)[too_short]
-    assert not open_at(speech)[-1]  # past the end of the window
-    assert not open_at(np.zeros_like(speech))[at_3s]  # silence: nothing to do
-    assert not open_at(1e-4 * speech)[at_3s]  # 80 dB below the speech: noise floor
-    assert not pipeline.open_after_timestamps(np.zeros(10 * SAMPLE_RATE, np.float32), 1501).any()
-    assert not pipeline.open_after_timestamps(np.zeros(0, np.float32), 1501).any()
-
-
-def test_text_past_the_models_end_must_be_confident_and_fit_the_audio(tiny_en, transcriber) -> None:
-    """Seen on tiled speech: after wanting to end at 29.0 s of a 29.95 s window, tiny.en
-    bf16 wrote the window's sentence again (118 characters in 0.95 s) at log-prob -0.31;
-    on the demo clip it wrote its last sentence twice."""
-    from whisper_cli.decoding import DecodedRow
-
-    t = transcriber(tiny_en)
-    ts = tiny_en.tokenizer.special.timestamp_begin
-    before = (ts, *tiny_en.tokenizer.encode_text(" Ask not."), ts + 1450)  # ends at 29.00 s
-    sentence = " And so my fellow Americans ask not what your country can do for you."
-
-    def kept(texts: list[str], logprob: float = -0.3, duration: float = 29.95) -> str:
-        after: tuple[int, ...] = ()
-        for text in texts:  # one segment each; only the text's length is judged
-            after += (ts + 1450, *tiny_en.tokenizer.encode_text(text), ts + 1470)
-        row = DecodedRow(
-            tokens=before + after,
-            avg_logprob=-0.3,
-            no_speech_prob=0.01,
-            language=None,
-            continued_at=len(before),
-            continued_logprob=logprob,
-        )
-        end = t._continued_end(row, duration)
-        return tiny_en.tokenizer.decode([x for x in row.tokens[len(before) : end] if x < ts])
-
-    assert kept([" Thank you."]) == " Thank you."  # 10 characters in 0.95 s
-    assert kept([" Thank you."], logprob=-0.9) == ""  # unsure: noise
-    assert kept([sentence]) == ""  # 70 characters cannot be said in 0.95 s
-    assert kept([sentence], duration=29.0 + 4.0) == sentence  # in 4 s they can
-    # The same sentence again does not fit: the first is kept, the repetition is not.
-    assert kept([sentence, sentence], duration=29.0 + 4.0) == sentence
+def test_speech_after_timestamps_reads_the_map() -> None:
+    speech = np.zeros(937, dtype=bool)  # 30 s of 32 ms frames
+    speech[100:300] = True  # speech from 3.2 s to 9.6 s
+    after = pipeline.speech_after_timestamps(speech, 1501, 0.25)
+    per_second = 50  # timestamps are 20 ms apart
+    assert after[0] and after[5 * per_second]
+    assert after[round(9.3 * per_second)]  # 0.3 s of speech left
+    assert not after[round(9.4 * per_second)]  # 0.2 s left: less than a word
+    assert not after[10 * per_second :].any()
+    assert not pipeline.speech_after_timestamps(np.zeros(937, bool), 1501, 0.25).any()
+    assert not pipeline.speech_after_timestamps(np.zeros(0, bool), 1501, 0.25).any()
 
 
 # --- 3. batching changes nothing -------------------------------------------------------------

@@ -122,6 +122,8 @@ class ConfigResult:
     encoder_ms_per_window: float
     decode_ms_per_step: float
     tokens_per_s: float  # generated tokens per second of decoding (decoder throughput)
+    detector_s: float  # per timed run: the speech detector's share of wall_s
+    fallbacks: int  # per timed run: window decodes repeated at a higher temperature
     peak_memory_mb: float
     peak_memory_kind: str  # "cuda max_memory_allocated" or "process peak RSS"
     language: str | None
@@ -493,7 +495,10 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
     with serve_audio(source):
         warmup_wall, _ = timed_run()
         probe.reset()  # only the timed runs count
+        counted = dataclasses.replace(transcriber.counters)
         runs = [timed_run() for _ in range(spec["repeats"])]
+    detector_s = transcriber.counters.detector_s - counted.detector_s
+    fallbacks = transcriber.counters.fallbacks - counted.fallbacks
     peak_mb, peak_kind = _peak_memory_mb(device)
 
     walls = tuple(wall for wall, _ in runs)
@@ -532,6 +537,8 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
         encoder_ms_per_window=1000 * totals.encode_s / max(totals.windows, 1),
         decode_ms_per_step=1000 * totals.decode_s / max(totals.steps, 1),
         tokens_per_s=totals.tokens / totals.decode_s if totals.decode_s else 0.0,
+        detector_s=detector_s / n,
+        fallbacks=fallbacks // n,
         peak_memory_mb=peak_mb,
         peak_memory_kind=peak_kind,
         language=transcript.language,
@@ -633,6 +640,7 @@ _COLUMNS = (
     "enc ms/win",
     "dec ms/step",
     "tok/s",
+    "VAD %",
     "load s",
     "warm-up s",
     "peak MB",
@@ -664,6 +672,7 @@ def render_table(report: BenchReport) -> str:
             f"{r.encoder_ms_per_window:.1f}",
             f"{r.decode_ms_per_step:.2f}",
             f"{r.tokens_per_s:.0f}",
+            f"{100 * r.detector_s / r.wall_s:.1f}",
             f"{r.load_s:.2f}",
             f"{r.warmup_s:.2f}",
             f"{r.peak_memory_mb:.0f}",

@@ -23,6 +23,7 @@ from whisper_cli.errors import (
     EXIT_USAGE,
     WhisperCliError,
 )
+from whisper_cli.options import Policy
 
 app = typer.Typer(
     name="whisper-cli",
@@ -152,11 +153,32 @@ def transcribe(
         bool, typer.Option(help="Skip inputs whose outputs exist in --output-dir.")
     ] = False,
     compile: CompileOpt = Compile.auto,
-    no_speech_threshold: Annotated[float, typer.Option(help="Silence guard.")] = 0.6,
-    logprob_threshold: Annotated[float, typer.Option(help="Silence guard.")] = -1.0,
+    vad: Annotated[
+        bool,
+        typer.Option(
+            help="Decode only where the speech detector (Silero VAD) hears speech. "
+            "--no-vad decodes every window, for audio that defeats the detector.",
+        ),
+    ] = True,
+    vad_threshold: Annotated[
+        float, typer.Option(min=0.01, max=0.99, help="Speech probability that starts speech.")
+    ] = Policy.vad_threshold,
+    temperature: Annotated[
+        str,
+        typer.Option(
+            help="Temperatures tried in turn on a window that fails the checks below: "
+            "one value, or a comma list as openai-whisper's (0 = greedy only).",
+        ),
+    ] = ",".join(f"{t:g}" for t in Policy.temperatures),
+    no_speech_threshold: Annotated[
+        float, typer.Option(help="No-speech probability above which a window may be silence.")
+    ] = Policy.no_speech_threshold,
+    logprob_threshold: Annotated[
+        float, typer.Option(help="Average log-prob below which a window falls back.")
+    ] = Policy.logprob_threshold,
     compression_ratio_threshold: Annotated[
-        float, typer.Option(help="Drop looping segments above this gzip ratio.")
-    ] = 2.4,
+        float, typer.Option(help="gzip ratio above which a window falls back (repetitive).")
+    ] = Policy.compression_ratio_threshold,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print segments.")] = False,
     debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
@@ -192,6 +214,7 @@ def _transcribe(**a) -> int:
     if channel is not None and channel.isdigit():
         channel = int(channel)
 
+    policy = _policy(a)
     loaded = _load(a["model"], a["dtype"], a["device"], a["quiet"])
     from whisper_cli.pipeline import TranscribeOptions, Transcriber
 
@@ -207,9 +230,8 @@ def _transcribe(**a) -> int:
             initial_prompt=a["initial_prompt"],
             channel=channel,
             compile=_use_compile(a["compile"], loaded.policy.device.type),
-            no_speech_threshold=a["no_speech_threshold"],
-            logprob_threshold=a["logprob_threshold"],
-            compression_ratio_threshold=a["compression_ratio_threshold"],
+            vad=a["vad"],
+            policy=policy,
         ),
     )
     failures = 0
@@ -243,6 +265,27 @@ def _transcribe(**a) -> int:
         transcriber.run(paths, on_result, on_error, on_progress, stdin=sys.stdin.buffer)
     _check_interrupt()
     return EXIT_INPUT_FAILED if failures else EXIT_OK
+
+
+def _policy(a: dict) -> Policy:
+    """The policy of the options given (a usage error when they contradict each other)."""
+    try:
+        temperatures = tuple(float(t) for t in a["temperature"].split(","))
+    except ValueError:
+        raise WhisperCliError(
+            f"invalid --temperature {a['temperature']!r}: one number or a comma list"
+        ) from None
+    try:
+        return Policy(
+            vad_threshold=a["vad_threshold"],
+            vad_neg_threshold=max(a["vad_threshold"] - 0.15, 0.01),  # Silero's own rule
+            temperatures=temperatures,
+            no_speech_threshold=a["no_speech_threshold"],
+            logprob_threshold=a["logprob_threshold"],
+            compression_ratio_threshold=a["compression_ratio_threshold"],
+        )
+    except ValueError as exc:
+        raise WhisperCliError(f"invalid option: {exc}") from None
 
 
 class _progress:

@@ -19,11 +19,6 @@ from whisper_cli.dtypes import encoder_input, f32_log_softmax, f32_logprob_sums,
 from whisper_cli.loading import LoadedModel
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# Repetition guard: every LOOP_CHECK_EVERY steps, a row whose last max(MIN_LOOP_SPAN,
-# 3 * period) tokens repeat with a period up to MAX_LOOP_PERIOD is stopped.
-LOOP_CHECK_EVERY = 8
-MAX_LOOP_PERIOD = 16
-MIN_LOOP_SPAN = 32
 
 
 @dataclass(frozen=True)
@@ -35,8 +30,10 @@ class DecodeOptions:
     max_initial_timestamp: float = 1.0  # seconds
     sync_every: int = 1  # host reads of the "all finished" flag
     shrink_batch: bool = True  # eager path: drop finished rows from the batch
-    # Rows whose no-speech probability is above this are never kept from ending (open_after).
-    open_max_no_speech: float = 0.6
+    # The repetition guard (see options.Policy).
+    loop_check_every: int = 8
+    max_loop_period: int = 16
+    min_loop_span: int = 32
 
 
 @dataclass(frozen=True)
@@ -48,10 +45,7 @@ class DecodedRow:
     no_speech_prob: float
     language: str | None
     looped: bool = False  # stopped by the repetition guard
-    # Where the model would have ended but was kept going (open_after), -1 if nowhere, and
-    # the average log-prob of the tokens from there on (end-of-text counted).
-    continued_at: int = -1
-    continued_logprob: float = 0.0
+    temperature: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -126,8 +120,9 @@ class GreedyDecoder:
     # -- language detection ---------------------------------------------------------
 
     @torch.inference_mode()
-    def detect_language(self, audio_features: torch.Tensor) -> list[LanguageGuess]:
-        """Most likely language of each row, from the logits after <|startoftranscript|>."""
+    def language_probs(self, audio_features: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+        """Language codes and each row's probabilities over them, (B, n_languages) float32,
+        from the logits after <|startoftranscript|>."""
         tokenizer = self.loaded.tokenizer
         self._prepare(audio_features)
         b = audio_features.shape[0]
@@ -137,7 +132,11 @@ class GreedyDecoder:
         logits = self.model.decoder(tokens, positions, visible=1)
         codes = list(tokenizer.language_ids)
         ids = torch.tensor([tokenizer.language_ids[c] for c in codes], device=device)
-        probs = f32_log_softmax(logits[:, 0, ids]).exp()  # over language tokens only
+        return codes, f32_log_softmax(logits[:, 0, ids]).exp()  # over language tokens only
+
+    def detect_language(self, audio_features: torch.Tensor) -> list[LanguageGuess]:
+        """Most likely language of each row."""
+        codes, probs = self.language_probs(audio_features)
         best = probs.argmax(dim=-1).tolist()
         return [LanguageGuess(codes[i], float(probs[r, i])) for r, i in enumerate(best)]
 
@@ -148,13 +147,18 @@ class GreedyDecoder:
         self,
         audio_features: torch.Tensor,
         languages: list[str | None],
-        open_after: torch.Tensor | None = None,
+        speech_after: torch.Tensor | None = None,
+        temperatures: list[float] | None = None,
+        seeds: list[int] | None = None,
     ) -> list[DecodedRow]:
-        """Greedy-decode every row of a batch of encoder outputs, (B, S, C).
+        """Decode every row of a batch of encoder outputs, (B, S, C).
 
-        open_after (B, n_timestamps) bool, timestamp mode only: whether the audio after
-        each timestamp still holds speech to transcribe. While a row's latest timestamp
-        is open, that row may not end (see _apply_rules).
+        speech_after (B, n_timestamps) bool, timestamp mode only: whether the audio after
+        each timestamp still holds speech (from the speech map). While it does after a
+        row's latest timestamp, that row may not end (see _apply_rules).
+        temperatures: per row; 0 is greedy, above 0 samples from softmax(logits / T) with
+        the row's own generator, seeded by `seeds`, so a row's text does not depend on
+        the other rows of its batch.
         """
         b = audio_features.shape[0]
         device = audio_features.device
@@ -174,29 +178,28 @@ class GreedyDecoder:
         no_speech = f32_log_softmax(logits[:, sot_index])[:, self.special.no_speech].exp()
         logits = logits[:, -1]  # (B, V)
 
-        if open_after is not None:
-            # A row the model itself calls speechless is left to end where it likes.
-            open_after = open_after & (no_speech <= self.options.open_max_no_speech)[:, None]
+        temperatures = temperatures or [0.0] * b
+        sampler = _Sampler.start(temperatures, seeds or [0] * b, logits)
         out = torch.full((b, self.max_new), self.special.eot, dtype=torch.long, device=device)
-        state = _RowState.start(b, device, open_after)
+        state = _RowState.start(b, device, speech_after)
         final = _RowState.start(b, device)  # per-row results, kept as rows are dropped
         rows = torch.arange(b, device=device)  # global row of each active row
         positions = torch.arange(t0, self.cache_len, device=device)
+        o = self.options
         for i in range(self.max_new):
             logits = self._apply_rules(logits, state, i)
-            next_tokens = logits.argmax(dim=-1)
+            next_tokens = sampler.choose(logits)
             next_tokens = torch.where(state.finished, self.special.eot, next_tokens)
             # The chosen token's log-prob: its logit less the row's log-sum-exp.
             chosen = logits.gather(1, next_tokens[:, None])[:, 0] - f32_logsumexp(logits)
             chosen = torch.where(state.finished, 0.0, chosen)
             state.sum_logprob += chosen
-            state.continued_sum += torch.where(state.continued_at >= 0, chosen, 0.0)
             state.advance(next_tokens, self.special.timestamp_begin)
             state.finished |= next_tokens == self.special.eot
             out[rows, i] = next_tokens
             if i + 1 == self.max_new:
                 break
-            if (i + 1) % LOOP_CHECK_EVERY == 0:
+            if (i + 1) % o.loop_check_every == 0:
                 self._stop_loops(out, rows, state, i + 1)
             if (i + 1) % self.options.sync_every == 0:
                 n_active = int((~state.finished).sum())
@@ -208,6 +211,7 @@ class GreedyDecoder:
                     state.store_results(final, rows)
                     rows, next_tokens = rows[keep], next_tokens[keep]
                     state = state.select(keep)
+                    sampler = sampler.select(keep)
                     self.model.decoder.keep_rows(keep)
             if self.compiled_step is not None:
                 logits = self.compiled_step(next_tokens[:, None], positions[i : i + 1])
@@ -219,15 +223,8 @@ class GreedyDecoder:
         state.store_results(final, rows)
         eot = self.special.eot
         results = []
-        for r, (seq, total, cut, at, after) in enumerate(
-            zip(
-                out.tolist(),
-                final.sum_logprob.tolist(),
-                final.loop_cut.tolist(),
-                final.continued_at.tolist(),
-                final.continued_sum.tolist(),
-                strict=True,
-            )
+        for r, (seq, total, cut) in enumerate(
+            zip(out.tolist(), final.sum_logprob.tolist(), final.loop_cut.tolist(), strict=True)
         ):
             n = seq.index(eot) if eot in seq else len(seq)
             results.append(
@@ -237,8 +234,7 @@ class GreedyDecoder:
                     no_speech_prob=float(no_speech[r]),
                     language=languages[r],
                     looped=cut >= 0,
-                    continued_at=at,
-                    continued_logprob=after / (n + 1 - at) if at >= 0 else 0.0,
+                    temperature=temperatures[r],
                 )
             )
         return results
@@ -253,8 +249,8 @@ class GreedyDecoder:
         ts_begin = self.special.timestamp_begin
         seq = out.index_select(0, rows)[:, :n]  # (rows, n)
         seq = torch.where(seq >= ts_begin, ts_begin, seq)
-        for period in range(1, MAX_LOOP_PERIOD + 1):
-            span = max(MIN_LOOP_SPAN, 3 * period)
+        for period in range(1, self.options.max_loop_period + 1):
+            span = max(self.options.min_loop_span, 3 * period)
             if span + period > n:
                 break
             periodic = (seq[:, n - span :] == seq[:, n - span - period : n - period]).all(dim=1)
@@ -291,20 +287,13 @@ class GreedyDecoder:
             logits[:, :eot].amax(dim=-1), logits[:, eot + 1 : ts_begin].amax(dim=-1)
         )
         eot_logit = logits[:, eot]
-        if i > 0 and state.open_after is not None:
+        if i > 0 and state.speech_after is not None:
             # The model ends a window early when it takes the last utterance for one that
-            # runs on past the window, and after a pause it often ends wrongly: while
-            # sound remains after the row's latest timestamp it may not end (see
-            # pipeline.open_after_timestamps). Where it would have ended is recorded, so
-            # that what it wrote from there on can be judged on its own.
+            # runs on past the window, and after a pause it often ends wrongly: while the
+            # speech map holds speech after the row's latest timestamp it may not end.
             latest = (state.max_ts - ts_begin).clamp(min=0)
-            still_open = last_ts & state.open_after.gather(1, latest[:, None])[:, 0]
-            # Greedy would pick end-of-text: above every other text token, and not beaten
-            # by the timestamps' mass (which is at least every single timestamp).
-            would_end = (eot_logit >= others) & (eot_logit >= stamps_lse)
-            first = still_open & would_end & (state.continued_at < 0)
-            state.continued_at = torch.where(first, i, state.continued_at)
-            eot_logit.masked_fill_(still_open, inf)
+            speech_left = last_ts & state.speech_after.gather(1, latest[:, None])[:, 0]
+            eot_logit.masked_fill_(speech_left, inf)
         # If the timestamps together are likelier than any text token, emit a timestamp:
         # log-sum-exp(timestamps) > max(text) in log-probs, the row's normaliser cancels.
         stamps_win = stamps_lse > torch.maximum(others, eot_logit)
@@ -322,15 +311,13 @@ class _RowState:
     finished: torch.Tensor
     sum_logprob: torch.Tensor
     loop_cut: torch.Tensor  # where a looping row's tokens are cut, -1 if it did not loop
-    continued_at: torch.Tensor  # step where it would have ended but was kept going, or -1
-    continued_sum: torch.Tensor  # sum of chosen log-probs from continued_at on
-    open_after: torch.Tensor | None  # (rows, n_timestamps) bool, see decode()
+    speech_after: torch.Tensor | None  # (rows, n_timestamps) bool, see decode()
 
-    RESULTS = ("sum_logprob", "loop_cut", "continued_at", "continued_sum")
+    RESULTS = ("sum_logprob", "loop_cut")
 
     @classmethod
     def start(
-        cls, b: int, device: torch.device, open_after: torch.Tensor | None = None
+        cls, b: int, device: torch.device, speech_after: torch.Tensor | None = None
     ) -> _RowState:
         minus_one = torch.full((b,), -1, dtype=torch.long, device=device)
         return cls(
@@ -340,9 +327,7 @@ class _RowState:
             finished=torch.zeros(b, dtype=torch.bool, device=device),
             sum_logprob=f32_logprob_sums(b, device),
             loop_cut=minus_one.clone(),
-            continued_at=minus_one.clone(),
-            continued_sum=f32_logprob_sums(b, device),
-            open_after=open_after,
+            speech_after=speech_after,
         )
 
     def advance(self, tokens: torch.Tensor, ts_begin: int) -> None:
@@ -361,3 +346,39 @@ class _RowState:
         """Write these rows' results into `final`, the whole batch's, at global `rows`."""
         for name in self.RESULTS:
             getattr(final, name)[rows] = getattr(self, name)
+
+
+@dataclass
+class _Sampler:
+    """Greedy choice, or sampling at a row's temperature with the row's own generator."""
+
+    temperature: torch.Tensor  # (rows,) in the logits' dtype
+    generators: list[torch.Generator | None]  # per active row; None: greedy
+
+    @classmethod
+    def start(cls, temperatures: list[float], seeds: list[int], logits: torch.Tensor) -> _Sampler:
+        generators: list[torch.Generator | None] = []
+        for t, seed in zip(temperatures, seeds, strict=True):
+            g = None
+            if t > 0:
+                g = torch.Generator(device=logits.device)
+                g.manual_seed(seed)
+            generators.append(g)
+        temperature = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)
+        return cls(temperature, generators)
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """(rows, V) -> (rows,) tokens: argmax, or argmax(logits / T + Gumbel noise), which is
+        a draw from softmax(logits / T)."""
+        if all(g is None for g in self.generators):
+            return logits.argmax(dim=-1)
+        scores = logits.clone()
+        for r, g in enumerate(self.generators):
+            if g is not None:
+                gumbel = torch.empty_like(logits[r]).exponential_(generator=g).log_().neg_()
+                scores[r] = logits[r] / self.temperature[r] + gumbel
+        return scores.argmax(dim=-1)
+
+    def select(self, keep: torch.Tensor) -> _Sampler:
+        kept = keep.tolist()
+        return _Sampler(self.temperature[keep], [self.generators[r] for r in kept])

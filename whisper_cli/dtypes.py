@@ -37,6 +37,10 @@ F32_EXCEPTIONS: dict[str, str] = {
         "STFT, mel filter bank and log compression run in float32 (torch has no "
         "half-precision STFT on CPU); the log-mel is cast once by encoder_input()."
     ),
+    "speech detector": (
+        "Silero VAD (speech.py) scores the float32 audio in float32 on the CPU; only its "
+        "per-frame speech probabilities (NumPy) leave it, to place windows and rules."
+    ),
     "log-softmax over logits": (
         "token log-probabilities (timestamp rule, average log-prob, no-speech and "
         "language probabilities) are computed from the logits in float32 by "

@@ -1,16 +1,21 @@
-"""Transcribe many inputs of any length in batches of independent 30 s windows.
+"""Transcribe many inputs of any length in batches of independent windows of speech.
 
-Data flows one way: inputs -> audio blocks -> windows -> batches -> log-mel ->
-encoder -> greedy decoder -> segments -> one Transcript per input, handed to a
-callback as soon as its last window is decoded. Windows of one file and of several
+Data flows one way: inputs -> audio blocks -> speech map and windows (windows.py) ->
+batches -> log-mel -> encoder -> decoder -> segments -> one Transcript per input, handed
+to a callback as soon as its last window is decoded. Windows of one file and of several
 files share batches; only a batch of windows is held in memory at a time.
+
+A window whose decode fails openai-whisper's checks (text too repetitive, average
+log-prob too low, or stopped by the repetition guard) is queued again at the next
+temperature of the policy and decoded in a later batch, beside new windows, so batches
+stay full and the other rows are untouched.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -23,47 +28,16 @@ from whisper_cli.dtypes import dtype_name
 from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.features import SAMPLE_RATE, batch_log_mel
 from whisper_cli.loading import LoadedModel
+from whisper_cli.options import Policy, TranscribeOptions
 from whisper_cli.results import Segment, Transcript
-from whisper_cli.segments import window_segments
+from whisper_cli.segments import compression_ratio, window_segments
+from whisper_cli.speech import FRAME_SECONDS, load_detector
 from whisper_cli.tokenizer import TIME_PRECISION
-from whisper_cli.windows import Window, cut_windows
+from whisper_cli.windows import Window, WindowCutter
+
+__all__ = ["Counters", "Policy", "Progress", "TranscribeOptions", "Transcriber"]
 
 TASKS = ("transcribe", "translate")
-# A window whose loudest sample is below this (-80 dBFS, about 3 LSB of 16-bit audio) holds
-# no audible signal; the model still writes text for it (" you"), so it is not decoded.
-SILENCE_PEAK = 1e-4
-# A window's decode may not end while the audio after its latest timestamp is at least
-# OPEN_MIN_SECONDS long and holds OPEN_SOUND_SECONDS within OPEN_SOUND_DB of the window's
-# loud level (and above OPEN_SILENCE_DBFS: digital silence is never worth decoding).
-OPEN_MIN_SECONDS = 0.3
-OPEN_SOUND_DB = 25.0
-OPEN_SOUND_SECONDS = 0.25
-OPEN_SILENCE_DBFS = -70.0
-# Text written after the point where the decoder would have ended is kept only when its
-# average log-prob is at least this. On the shared clips and tiled copies of them, speech
-# read there scored -0.05 to -0.44, and what the models wrote for noise ("Thank you.",
-# "Wow.", "Ah!") -0.69 to -1.5.
-CONTINUED_LOGPROB = -0.6
-# ... and when it fits the audio left after the point: speech read there ran at up to 21
-# characters per second.
-CONTINUED_MAX_CHARS_PER_SECOND = 30.0
-
-
-@dataclass(frozen=True)
-class TranscribeOptions:
-    language: str | None = None  # None: detect per input (or per window if multilingual)
-    multilingual: bool = False  # detect the language of every window
-    task: str = "transcribe"
-    timestamps: bool = True
-    batch_size: int = 16
-    max_new_tokens: int = 224
-    initial_prompt: str | None = None
-    channel: str | int | None = None
-    compile: bool = False
-    # Silence / hallucination guards, openai-whisper's defaults.
-    no_speech_threshold: float = 0.6
-    logprob_threshold: float = -1.0
-    compression_ratio_threshold: float = 2.4
 
 
 @dataclass(frozen=True)
@@ -76,6 +50,17 @@ class Progress:
 
 
 @dataclass
+class Counters:
+    """What a run did, for bench and tests: windows, encoder passes, fallbacks, detector."""
+
+    windows: int = 0  # windows cut (each decoded at least once)
+    encoded_rows: int = 0  # rows through the encoder (padding rows of a compiled batch too)
+    batches: int = 0
+    fallbacks: int = 0  # window decodes repeated at a higher temperature
+    detector_s: float = 0.0  # wall time of the speech detector
+
+
+@dataclass
 class _Input:
     index: int
     path: str
@@ -83,9 +68,19 @@ class _Input:
     duration: float = 0.0
     language: LanguageGuess | None = None
     segments: list[Segment] = field(default_factory=list)
-    pending: int = 0  # windows cut or queued but not decoded yet
+    pending: int = 0  # windows cut but not finally decoded yet
     cut_done: bool = False  # the last window of this input has been cut
     started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(eq=False)
+class _Job:
+    """One window to decode, at the temperature of its attempt."""
+
+    window: Window
+    attempt: int = 0  # index into policy.temperatures
+    language: str | None = None  # once known (a fallback keeps its window's language)
+    candidates: list[DecodedRow] = field(default_factory=list)  # earlier attempts
 
 
 def validate_options(loaded: LoadedModel, options: TranscribeOptions) -> None:
@@ -108,12 +103,13 @@ def validate_options(loaded: LoadedModel, options: TranscribeOptions) -> None:
 
 
 class Transcriber:
-    """Holds a loaded model and decodes batches of windows from many inputs."""
+    """Holds a loaded model and the speech detector, and decodes batches of windows."""
 
     def __init__(self, loaded: LoadedModel, options: TranscribeOptions) -> None:
         validate_options(loaded, options)
         self.loaded = loaded
         self.options = options
+        self.policy = options.policy
         tokenizer = loaded.tokenizer
         prompt = ()
         if options.initial_prompt:
@@ -127,6 +123,7 @@ class Transcriber:
             from whisper_cli.compiled import compiled_step
 
             step = compiled_step(loaded.model)
+        p = self.policy
         self.decoder = GreedyDecoder(
             loaded,
             DecodeOptions(
@@ -135,14 +132,19 @@ class Transcriber:
                 max_new_tokens=options.max_new_tokens,
                 prompt_tokens=prompt,
                 sync_every=8 if on_cuda else 1,
-                open_max_no_speech=options.no_speech_threshold,
                 shrink_batch=not options.compile,
+                loop_check_every=p.loop_check_every,
+                max_loop_period=p.max_loop_period,
+                min_loop_span=p.min_loop_span,
             ),
             step=step,
         )
+        # The map also places the cuts with the detector off, so it is always loaded.
+        self.detector = load_detector()
         # A compiled step has one batch shape: pad the last batch up to it.
         self.pad_batches = options.compile
         self.rows = options.batch_size  # halved for the rest of the run on out-of-memory
+        self.counters = Counters()
 
     # -- public API ----------------------------------------------------------------
 
@@ -174,63 +176,104 @@ class Transcriber:
             inputs.append(_Input(len(inputs), path, source))
         total = sum(i.source.info.duration or 0.0 for i in inputs)
         started = time.perf_counter()
-        done_audio = 0.0
         failed: set[int] = set()
-        for batch in self._batches(inputs, failed, on_error):
-            self._decode_batch(inputs, batch)
-            done_audio += sum(len(w.audio) for w in batch) / SAMPLE_RATE
-            for window in batch:
-                item = inputs[window.source]
-                item.pending -= 1
-                if item.pending == 0 and item.cut_done and item.index not in failed:
-                    on_result(self._finish(item))
+        retries: deque[_Job] = deque()
+
+        def finish(item: _Input) -> None:
+            if item.pending == 0 and item.cut_done and item.index not in failed | reported:
+                reported.add(item.index)
+                on_result(self._finish(item))
+
+        reported: set[int] = set()
+        for batch in self._batches(inputs, failed, on_error, retries, finish):
+            again = self._decode_batch(inputs, batch)
+            retries.extend(again)  # failed at their temperature: decoded again later
+            for job in batch:
+                item = inputs[job.window.source]
+                if all(job is not other for other in again):
+                    item.pending -= 1
+                finish(item)
             if on_progress:
-                on_progress(Progress(done_audio, total, time.perf_counter() - started))
+                done = sum(i.duration for i in inputs if i.cut_done and not i.pending)
+                on_progress(Progress(done, total, time.perf_counter() - started))
 
     # -- batching --------------------------------------------------------------------
 
     def _windows(
-        self, inputs: list[_Input], failed: set[int], on_error: Callable[[InputError], None]
+        self,
+        inputs: list[_Input],
+        failed: set[int],
+        on_error: Callable[[InputError], None],
+        finish: Callable[[_Input], None],
     ) -> Iterator[Window]:
         for item in inputs:
+            item.started = time.perf_counter()  # its wall time counts from its first window
+            cutter = WindowCutter(
+                self.detector, self.policy, vad=self.options.vad, source=item.index
+            )
             try:
-                item.started = time.perf_counter()  # its wall time counts from its first window
-                windows = cut_windows(item.source.blocks(), source=item.index)
+                windows = cutter.cut(item.source.blocks())
                 window = next(windows, None)
-                if window is None:
-                    raise InputError(item.path, "contains no audio")
                 while window is not None:
                     # One window of look-ahead: an input is known to be cut through when its
                     # last window is yielded, so it is handed over as soon as that is decoded
                     # (not only when a later batch happens to hold one of its windows).
                     following = next(windows, None)
                     item.pending += 1
-                    item.duration = window.end
                     item.cut_done = following is None
+                    if item.cut_done:
+                        item.duration = cutter.samples / SAMPLE_RATE
+                    self.counters.windows += 1
                     yield window
                     window = following
+                item.duration = cutter.samples / SAMPLE_RATE
+                if cutter.samples == 0:
+                    raise InputError(item.path, "contains no audio")
             except InputError as exc:
                 failed.add(item.index)
                 on_error(exc)
+            self.counters.detector_s += cutter.stream.seconds
             item.cut_done = True
+            if item.pending == 0:
+                finish(item)  # no speech at all: an empty transcript, at once
 
     def _batches(
-        self, inputs: list[_Input], failed: set[int], on_error: Callable[[InputError], None]
-    ) -> Iterator[list[Window]]:
-        windows = self._windows(inputs, failed, on_error)
-        while batch := list(itertools.islice(windows, self.options.batch_size)):
+        self,
+        inputs: list[_Input],
+        failed: set[int],
+        on_error: Callable[[InputError], None],
+        retries: deque[_Job],
+        finish: Callable[[_Input], None],
+    ) -> Iterator[list[_Job]]:
+        """Batches of up to batch_size jobs: windows queued again first, then new ones."""
+        windows = self._windows(inputs, failed, on_error, finish)
+        exhausted = False
+        while True:
+            batch: list[_Job] = []
+            while retries and len(batch) < self.options.batch_size:
+                batch.append(retries.popleft())
+            while not exhausted and len(batch) < self.options.batch_size:
+                window = next(windows, None)
+                if window is None:
+                    exhausted = True
+                else:
+                    batch.append(_Job(window))
+            if not batch:
+                return
             yield batch
 
     # -- decoding --------------------------------------------------------------------
 
-    def _decode_batch(self, inputs: list[_Input], batch: list[Window]) -> None:
-        """Decode a batch in chunks of self.rows; out of memory halves self.rows and retries."""
-        batch = [w for w in batch if w.audio.size and np.abs(w.audio).max() >= SILENCE_PEAK]
+    def _decode_batch(self, inputs: list[_Input], batch: list[_Job]) -> list[_Job]:
+        """Decode a batch in chunks of self.rows; out of memory halves self.rows and retries.
+
+        Returns the jobs to decode again at their next temperature."""
+        again: list[_Job] = []
         done = 0
         while done < len(batch):
             chunk = batch[done : done + self.rows]
             try:
-                self._decode_rows(inputs, chunk)
+                again += self._decode_rows(inputs, chunk)
             except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError in newer torch
                 if self.rows == 1:
                     raise WhisperCliError("out of memory with a batch of one window") from None
@@ -245,117 +288,178 @@ class Transcriber:
                 )
                 continue  # nothing of the chunk was kept: decode it again, smaller
             done += len(chunk)
+        return again
 
-    def _decode_rows(self, inputs: list[_Input], batch: list[Window]) -> None:
+    def _decode_rows(self, inputs: list[_Input], batch: list[_Job]) -> list[_Job]:
         device = self.loaded.policy.device
         n_rows = self.rows if self.pad_batches else len(batch)
         mel = batch_log_mel(
-            [w.audio for w in batch], n_rows, self.loaded.config.num_mel_bins, device
+            [j.window.audio for j in batch], n_rows, self.loaded.config.num_mel_bins, device
         )
         with torch.inference_mode():
             features = self.decoder.encode(mel)
+        self.counters.encoded_rows += n_rows
+        self.counters.batches += 1
         languages = self._languages(inputs, batch, features)
-        languages += [languages[0]] * (n_rows - len(batch))  # padding rows
-        open_after = None
-        if self.options.timestamps:
+        pad = n_rows - len(batch)
+        languages += [languages[0]] * pad  # padding rows
+        speech_after = None
+        if self.options.timestamps and self.options.vad:
             n_ts = self.loaded.config.vocab_size - self.loaded.tokenizer.special.timestamp_begin
-            table = np.zeros((n_rows, n_ts), dtype=bool)  # padding rows: never open
-            for r, window in enumerate(batch):
-                table[r] = open_after_timestamps(window.audio, n_ts)
-            open_after = torch.from_numpy(table).to(device)
-        rows = self.decoder.decode(features, languages, open_after)
-        for window, row in zip(batch, rows, strict=False):
-            item = inputs[window.source]
-            duration = len(window.audio) / SAMPLE_RATE
-            if self._is_silent(row.no_speech_prob, row.avg_logprob, row.tokens):
+            table = np.zeros((n_rows, n_ts), dtype=bool)  # padding rows: never held open
+            for r, job in enumerate(batch):
+                table[r] = speech_after_timestamps(
+                    job.window.speech, n_ts, self.policy.min_speech_seconds
+                )
+            speech_after = torch.from_numpy(table).to(device)
+        temperatures = [self.policy.temperatures[j.attempt] for j in batch] + [0.0] * pad
+        seeds = [self._seed(j) for j in batch] + [0] * pad
+        rows = self.decoder.decode(features, languages, speech_after, temperatures, seeds)
+        again = []
+        for job, row in zip(batch, rows, strict=False):
+            if self._needs_fallback(row) and job.attempt + 1 < len(self.policy.temperatures):
+                job.candidates.append(row)
+                job.attempt += 1
+                self.counters.fallbacks += 1
+                again.append(job)
                 continue
-            tokens = row.tokens
-            if row.continued_at >= 0:
-                tokens = tokens[: self._continued_end(row, duration)]
-            segments = window_segments(
-                tokens,
-                self.loaded.tokenizer,
-                offset=window.start,
-                duration=duration,
-                avg_logprob=row.avg_logprob,
-                no_speech_prob=row.no_speech_prob,
-                language=row.language,
-            )
-            item.segments.extend(
-                s
-                for s in segments
-                if s.compression_ratio <= self.options.compression_ratio_threshold
-            )
+            row = self._best([*job.candidates, row])
+            inputs[job.window.source].segments.extend(self._segments(job.window, row))
+        return again
 
-    def _continued_end(self, row: DecodedRow, duration: float) -> int:
-        """How many of the row's tokens are kept when it went on past its own end.
+    def _seed(self, job: _Job) -> int:
+        """A window's sampling seed: from the policy's seed, where the window lies in its
+        input and the attempt, so it does not depend on the batch or the other inputs."""
+        w = job.window
+        return (self.policy.seed * 1_000_003 + w.first_sample * 31 + job.attempt) % (2**63)
 
-        The audio after the point where it would have ended held sound, so the decoder
-        went on. What it wrote there is kept when it is confident (noise gives " Thank
-        you." or " Wow." at low log-probs), and then segment by segment while the text
-        fits the audio left: it may also repeat the last sentence, or the window's
-        earlier text, at a rate no one speaks.
-        """
-        if row.continued_logprob < CONTINUED_LOGPROB:
-            return row.continued_at
-        tokenizer = self.loaded.tokenizer
-        ts_begin = tokenizer.special.timestamp_begin
-        stamps = [t for t in row.tokens[: row.continued_at] if t >= ts_begin]
-        left = duration - ((stamps[-1] - ts_begin) * TIME_PRECISION if stamps else 0.0)
-        budget = CONTINUED_MAX_CHARS_PER_SECOND * max(left, 0.0)
-        end, text = row.continued_at, []
-        for i in range(row.continued_at, len(row.tokens)):
-            if row.tokens[i] < ts_begin:
-                text.append(row.tokens[i])
-            elif text and row.tokens[i - 1] < ts_begin:  # a segment's closing timestamp
-                if len(tokenizer.decode(text).strip()) > budget:
-                    break
-                end = i + 1
-        return end
+    def _needs_fallback(self, row: DecodedRow) -> bool:
+        """openai-whisper's rule: too repetitive or too unsure, unless it is no speech."""
+        p = self.policy
+        if self._is_silent(row):
+            return False
+        return (
+            row.looped
+            or self._compression(row) > p.compression_ratio_threshold
+            or row.avg_logprob < p.logprob_threshold
+        )
 
-    def _is_silent(
-        self, no_speech_prob: float, avg_logprob: float, tokens: tuple[int, ...]
-    ) -> bool:
+    def _best(self, candidates: list[DecodedRow]) -> DecodedRow:
+        """The last attempt if it passed; else, as faster-whisper, the best average log-prob
+        among the attempts that are not too repetitive (or among all, if none is)."""
+        last = candidates[-1]
+        if len(candidates) == 1 or not self._needs_fallback(last):
+            return last
+        p = self.policy
+        fine = [
+            c
+            for c in candidates
+            if not c.looped and self._compression(c) <= p.compression_ratio_threshold
+        ]
+        return max(fine or candidates, key=lambda c: c.avg_logprob)
+
+    def _compression(self, row: DecodedRow) -> float:
+        ts_begin = self.loaded.tokenizer.special.timestamp_begin
+        text = self.loaded.tokenizer.decode([t for t in row.tokens if t < ts_begin])
+        return compression_ratio(text)
+
+    def _segments(self, window: Window, row: DecodedRow) -> list[Segment]:
+        """The row's segments in input time; none for a silent row, none over non-speech."""
+        if self._is_silent(row):
+            return []
+        p = self.policy
+        segments = window_segments(
+            row.tokens,
+            self.loaded.tokenizer,
+            offset=window.start,
+            duration=window.duration,
+            avg_logprob=row.avg_logprob,
+            no_speech_prob=row.no_speech_prob,
+            language=row.language,
+        )
+        kept = []
+        for s in segments:
+            if s.compression_ratio > p.compression_ratio_threshold:
+                continue  # a loop that survived every temperature
+            share = window.speech_share(s.start - window.start, s.end - window.start)
+            if self.options.vad and share < p.segment_min_speech:
+                continue  # text written over what the speech map calls non-speech
+            kept.append(s)
+        return kept
+
+    def _is_silent(self, row: DecodedRow) -> bool:
         """openai-whisper's rule: likely no speech, and the text is not confidently decoded.
 
         A confident decode overrides the no-speech probability only when it holds words: text
         of punctuation or symbols alone (" . . .", music notes) under a high no-speech
         probability is what the model writes for noise and tones, not speech.
         """
-        o = self.options
-        if no_speech_prob <= o.no_speech_threshold:
+        p = self.policy
+        if row.no_speech_prob <= p.no_speech_threshold:
             return False
-        if avg_logprob < o.logprob_threshold:
+        if row.avg_logprob < p.logprob_threshold:
             return True
         ts_begin = self.loaded.tokenizer.special.timestamp_begin
-        text = self.loaded.tokenizer.decode([t for t in tokens if t < ts_begin])
+        text = self.loaded.tokenizer.decode([t for t in row.tokens if t < ts_begin])
         return not any(ch.isalnum() for ch in text)
 
     def _languages(
-        self, inputs: list[_Input], batch: list[Window], features: torch.Tensor
+        self, inputs: list[_Input], batch: list[_Job], features: torch.Tensor
     ) -> list[str | None]:
-        """The language of each row: given, per input (first window), or per window."""
+        """The language of each row: given, per input, or per window (--multilingual).
+
+        Per input, the probabilities of its first windows in the batch are pooled, each
+        weighted by the speech it holds, over up to policy.language_seconds of speech: an
+        intro of music or noise (little speech) barely counts.
+        """
         if not self.loaded.tokenizer.is_multilingual:
             return [None] * len(batch)
         if self.options.language is not None:
             return [self.options.language] * len(batch)
-        if self.options.multilingual:
-            need = list(range(len(batch)))
-        else:
-            need = [r for r, w in enumerate(batch) if inputs[w.source].language is None]
-        guesses: dict[int, LanguageGuess] = {}
+        need = [
+            r
+            for r, j in enumerate(batch)
+            if j.language is None
+            and (self.options.multilingual or inputs[j.window.source].language is None)
+        ]
         if need:
             # One step over the whole batch (fixed shape), read for the rows that need it.
-            detected = self.decoder.detect_language(features)
-            guesses = {r: detected[r] for r in need}
-        languages: list[str | None] = []
-        for r, window in enumerate(batch):
-            item = inputs[window.source]
-            if item.language is None and r in guesses:
-                item.language = guesses[r]  # the first window of the input decides
-            guess = guesses[r] if self.options.multilingual else item.language
-            languages.append(guess.code)
-        return languages
+            codes, probs = self.decoder.language_probs(features)
+            probs = probs.cpu().numpy()
+            if self.options.multilingual:
+                for r in need:
+                    best = int(probs[r].argmax())
+                    batch[r].language = codes[best]
+                    inputs[batch[r].window.source].language = inputs[
+                        batch[r].window.source
+                    ].language or LanguageGuess(codes[best], float(probs[r, best]))
+            else:
+                by_input: dict[int, list[int]] = {}
+                for r in need:
+                    by_input.setdefault(batch[r].window.source, []).append(r)
+                for source, rows in by_input.items():
+                    inputs[source].language = self._pooled(codes, probs, batch, rows)
+        for job in batch:
+            if job.language is None:
+                job.language = inputs[job.window.source].language.code
+        return [j.language for j in batch]
+
+    def _pooled(
+        self, codes: list[str], probs: np.ndarray, batch: list[_Job], rows: list[int]
+    ) -> LanguageGuess:
+        weights, seconds = [], 0.0
+        for r in sorted(rows, key=lambda r: batch[r].window.index):
+            if seconds >= self.policy.language_seconds:
+                break
+            speech = batch[r].window.speech_seconds
+            weights.append((r, min(speech, self.policy.language_seconds - seconds)))
+            seconds += speech
+        total = sum(w for _, w in weights)
+        if total <= 0:  # no speech anywhere (detector off): the windows count alike
+            weights, total = [(r, 1.0) for r, _ in weights], float(len(weights))
+        pooled = sum(w * probs[r] for r, w in weights) / total
+        best = int(pooled.argmax())
+        return LanguageGuess(codes[best], float(pooled[best]))
 
     def _finish(self, item: _Input) -> Transcript:
         segments = tuple(sorted(item.segments, key=lambda s: s.start))
@@ -376,28 +480,13 @@ class Transcriber:
         )
 
 
-def open_after_timestamps(audio: np.ndarray, n_timestamps: int) -> np.ndarray:
-    """(n_timestamps,) bool: whether the window's audio after each timestamp is still open.
-
-    Whisper ends a window early when it takes the last utterance for one that runs on
-    past the window (openai-whisper then seeks there and decodes again), and after a
-    pause it often ends wrongly, so whole utterances would be lost. Windows here are cut
-    at pauses and decoded independently, so the decoder instead may not end while the
-    audio after its latest timestamp is open: at least OPEN_MIN_SECONDS long, with
-    OPEN_SOUND_SECONDS of 20 ms frames (one timestamp step) near the window's loud level
-    (its 95th percentile, less OPEN_SOUND_DB, and above OPEN_SILENCE_DBFS).
-    """
-    frame = round(TIME_PRECISION * SAMPLE_RATE)
-    n = len(audio) // frame
-    out = np.zeros(n_timestamps, dtype=bool)
-    if n == 0:
-        return out
-    power = np.square(audio[: n * frame], dtype=np.float64).reshape(n, frame).mean(axis=1)
-    level = 10 * np.log10(power + 1e-10)
-    threshold = max(np.percentile(level, 95) - OPEN_SOUND_DB, OPEN_SILENCE_DBFS)
-    loud_after = np.cumsum((level > threshold)[::-1])[::-1]  # loud frames from frame f on
-    left = len(audio) / SAMPLE_RATE - np.arange(n) * TIME_PRECISION  # seconds after f
-    ok = (loud_after * TIME_PRECISION >= OPEN_SOUND_SECONDS) & (left >= OPEN_MIN_SECONDS)
-    m = min(n, n_timestamps)
-    out[:m] = ok[:m]
-    return out
+def speech_after_timestamps(
+    speech: np.ndarray, n_timestamps: int, min_seconds: float
+) -> np.ndarray:
+    """(n_timestamps,) bool: whether at least `min_seconds` of speech frames (the window's
+    speech map) lie after each timestamp (20 ms apart): where a decode may not end."""
+    after = np.cumsum(speech[::-1])[::-1] * FRAME_SECONDS  # speech from frame f on, seconds
+    after = np.append(after, 0.0)
+    frames = np.ceil(np.arange(n_timestamps) * TIME_PRECISION / FRAME_SECONDS - 1e-9)
+    frames = np.minimum(frames.astype(np.int64), len(after) - 1)
+    return after[frames] >= min_seconds

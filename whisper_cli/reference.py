@@ -1,13 +1,15 @@
 """A reference run of transformers' Whisper on the windows whisper-cli decodes, for `bench`.
 
-The reference sees the same audio cut into the same windows (`cut_windows`), in batches of
+The reference sees the same audio cut into the same windows (`cut_windows`, from the same
+speech map), in batches of
 the same size, in the same dtype and on the same device, and decodes greedily with the same
 timestamp mode and token budget; only the model code, the feature extractor and the
 generation loop are transformers' own. Its texts should therefore match whisper-cli's
 wherever the model reads a window to its end. Where it ends early with speech left,
 transformers seeks there and decodes the remainder again on its own, while whisper-cli
-goes on in the same decode (see pipeline.open_after_timestamps): words near such a point
-may differ, and the comparison counts them.
+goes on in the same decode (the speech map's no-end rule, decoding.py): words near such
+a point may differ, and the comparison counts them. Temperature fallback is whisper-cli's
+alone: a window that falls back may differ too.
 
 transformers is imported here only, and lazily: the rest of whisper-cli never needs it.
 """
@@ -26,6 +28,7 @@ import torch
 
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.features import SAMPLE_RATE
+from whisper_cli.speech import load_detector
 from whisper_cli.tokenizer import Tokenizer
 from whisper_cli.windows import Window, cut_windows
 
@@ -111,12 +114,13 @@ def run_reference(
         return [tokenizer.decode(row) for row in out.tolist()]
 
     sync = _synchronizer(device)
-    decode_batch(next(_batches(cut_windows(blocks()), batch_size)))  # warm-up, untimed
+    detector = load_detector()
+    decode_batch(next(_batches(cut_windows(blocks(), detector), batch_size)))  # warm-up
     sync()
     started = time.perf_counter()
     texts: list[str] = []
     windows = batches = 0
-    for batch in _batches(cut_windows(blocks()), batch_size):
+    for batch in _batches(cut_windows(blocks(), detector), batch_size):
         texts.extend(decode_batch(batch))
         windows += len(batch)
         batches += 1

@@ -1,9 +1,22 @@
-"""Cut a stream of 16 kHz audio blocks into independent windows of at most 30 s.
+"""Speech map -> windows of at most 30 s that start at speech and are cut at non-speech.
 
-Whisper sees 30 s at a time. Cutting blindly every 30 s splits words, so each cut is placed
-in the quietest stretch of the last few seconds before the limit: the middle of a pause
-when there is one, else the deepest dip in the speech. Windows tile the input exactly (no
-sample lost or repeated), and are produced lazily so memory stays bounded.
+The audio streams in once. The speech map (speech.py) scores every 32 ms frame; frames
+are speech by hysteresis (policy.vad_threshold / vad_neg_threshold), speech shorter than
+policy.min_speech_seconds is dropped, and pauses shorter than policy.min_silence_seconds
+are kept inside the speech around them. Each stretch of speech, padded by
+policy.speech_pad_seconds on both sides, is a *piece*; a window opens at the start of a
+piece and takes the pieces that follow while it stays within 30 s, so it starts shortly
+before speech and ends shortly after it. Audio between windows (everything the map calls
+non-speech, beyond the padding) is never decoded. A window is one stretch of the input,
+pauses included: the model sees speech with its real timing, as it was trained.
+
+A stretch of speech longer than a window is cut at its least speech-like frame in the
+last policy.cut_search_seconds before the limit. With the detector off (`vad=False`) the
+whole input is one stretch of speech: windows then tile it exactly, cut at the least
+speech-like frame in the same way.
+
+Only the pieces of the window being filled and the stretch being read are held, so
+memory stays bounded whatever the input's length.
 """
 
 from __future__ import annotations
@@ -13,110 +26,232 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from whisper_cli.audio import SAMPLE_RATE
+from whisper_cli.options import Policy
+from whisper_cli.speech import FRAME_SAMPLES, FRAME_SECONDS, SAMPLE_RATE, SileroVAD, SpeechStream
 
-FRAME_SECONDS = 0.025  # energy frame: long enough to span a pitch period of low voices
-HOP_SECONDS = 0.010
-SMOOTH_FRAMES = 5  # ~50 ms of smoothing: a click or a single stop closure is not a pause
-# Frames within this many dB of the region's quietest count as quiet; the longest run of
-# them is taken, so a real pause wins over a deeper but momentary dip inside a word.
-QUIET_MARGIN_DB = 6.0
-_EPS = 1e-10  # energy floor (-100 dB) so digital silence has a finite level
+WINDOW_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
 class Window:
-    """A piece of one input that is transcribed on its own."""
+    """A stretch of one input that is transcribed on its own."""
 
     source: int  # index of the input this window belongs to
     index: int  # window number within that input
-    start: float  # seconds from the input's start
-    audio: np.ndarray  # float32 mono 16 kHz, at most max_seconds long
+    first_sample: int  # where it starts in the input
+    audio: np.ndarray  # float32 mono 16 kHz, at most 30 s
+    speech: np.ndarray  # (ceil(len(audio) / 512),) bool: the speech frames of `audio`
+
+    @property
+    def start(self) -> float:
+        return self.first_sample / SAMPLE_RATE
 
     @property
     def end(self) -> float:
-        # Counted in samples, so a window's end is exactly the next window's start.
-        return (round(self.start * SAMPLE_RATE) + len(self.audio)) / SAMPLE_RATE
+        return (self.first_sample + len(self.audio)) / SAMPLE_RATE
+
+    @property
+    def duration(self) -> float:
+        return len(self.audio) / SAMPLE_RATE
+
+    @property
+    def speech_seconds(self) -> float:
+        return float(self.speech.sum()) * FRAME_SECONDS
+
+    def speech_share(self, start: float, end: float) -> float:
+        """Share of speech frames in [start, end) seconds of the window (the frame at start
+        when the span is shorter than a frame)."""
+        first = min(int(start / FRAME_SECONDS), len(self.speech) - 1)
+        last = max(first + 1, int(np.ceil(end / FRAME_SECONDS)))
+        return float(self.speech[first:last].mean()) if len(self.speech) else 0.0
+
+
+class WindowCutter:
+    """Cuts one input's audio into windows as it streams (see the module doc).
+
+    After `cut` is exhausted, `samples` is the input's length and `speech_map` its map.
+    """
+
+    def __init__(
+        self,
+        detector: SileroVAD,
+        policy: Policy,
+        *,
+        vad: bool = True,
+        source: int = 0,
+        max_seconds: float = WINDOW_SECONDS,
+    ) -> None:
+        self.policy = policy
+        self.vad = vad
+        self.source = source
+        self.stream = SpeechStream(detector)
+        frames = lambda s: max(0, round(s / FRAME_SECONDS))  # noqa: E731
+        self.max_frames = int(max_seconds / FRAME_SECONDS)  # 937 frames: 29.98 s
+        self.pad = frames(policy.speech_pad_seconds)
+        self.min_speech = max(1, frames(policy.min_speech_seconds))
+        self.min_silence = max(1, frames(policy.min_silence_seconds))
+        self.search = min(frames(policy.cut_search_seconds), self.max_frames - 1)
+        if vad and 2 * self.pad >= self.max_frames:
+            raise ValueError("speech_pad_seconds leaves no room for speech in a window")
+
+    @property
+    def samples(self) -> int:
+        return self.stream.samples
+
+    @property
+    def speech_map(self) -> np.ndarray:
+        return self.stream.map()
+
+    def cut(self, blocks: Iterable[np.ndarray]) -> Iterator[Window]:
+        self._audio: list[np.ndarray] = []  # audio from sample self._audio_start on
+        self._audio_start = 0
+        self._frame = 0  # frames decided so far
+        self._speaking = False  # hysteresis state of the last frame
+        self._speech: list[bool] = []  # per frame from self._audio_start // 512 on
+        self._run: tuple[int, int] | None = None  # open stretch: first, last+1 speech frame
+        self._piece_from = 0  # the open stretch's piece starts here (frames)
+        self._pieces: list[tuple[int, int]] = []  # frames of the window being filled
+        self._emitted_to = 0  # frames up to which earlier windows took pieces
+        self._index = 0
+        for block in blocks:
+            block = np.asarray(block, dtype=np.float32)
+            if block.ndim != 1:
+                raise ValueError(f"audio blocks must be 1-D, got shape {block.shape}")
+            self._audio.append(block)
+            yield from self._decide(self.stream.push(block))
+        yield from self._decide(self.stream.finish())
+        yield from self._close_run()
+        yield from self._emit()
+
+    # -- frame by frame ------------------------------------------------------------------
+
+    def _decide(self, probs: np.ndarray) -> Iterator[Window]:
+        p = self.policy
+        for prob in probs.tolist():
+            i = self._frame
+            self._frame += 1
+            level = p.vad_neg_threshold if self._speaking else p.vad_threshold
+            self._speaking = prob >= level
+            self._speech.append(self._speaking)
+            is_speech = self._speaking or not self.vad  # detector off: all is speech
+            if is_speech:
+                if self._run is not None and i - self._run[1] >= self.min_silence:
+                    yield from self._close_run()
+                if self._run is None:
+                    self._run = (i, i + 1)
+                    self._piece_from = max(i - self.pad, self._last_piece_end())
+                else:
+                    self._run = (self._run[0], i + 1)
+            elif self._run is not None and i + 1 - self._run[1] >= self.min_silence:
+                yield from self._close_run()
+            if self._run is not None and self._frame - self._piece_from > self.max_frames:
+                yield from self._split_run()
+        self._drop_unneeded_audio()
+
+    def _last_piece_end(self) -> int:
+        return self._pieces[-1][1] if self._pieces else self._emitted_to
+
+    def _close_run(self) -> Iterator[Window]:
+        """The open stretch of speech has ended: it becomes a piece, or is dropped."""
+        if self._run is None:
+            return
+        first, last = self._run
+        self._run = None
+        if last - first < self.min_speech and self.vad:
+            return
+        # Detector off: the windows tile the input, up to its last sample.
+        end = min(last + self.pad, self._frame) if self.vad else self._frame
+        yield from self._add_piece(self._piece_from, end)
+
+    def _split_run(self) -> Iterator[Window]:
+        """The open stretch is longer than a window: cut it where it is least speech-like.
+
+        In the last `search` frames before the limit: the middle of the longest run of
+        non-speech frames (a pause too short to end the stretch) if there is one, else the
+        frame of least speech probability (a 3-frame mean: one dip is not a pause).
+        """
+        start = self._piece_from
+        limit = start + self.max_frames
+        first = limit - self.search
+        quiet = ~np.array(self._speech_frames(first, limit), dtype=bool)
+        if quiet.any():
+            run_first, run_last = longest_run(quiet)
+            cut = first + (run_first + run_last + 1) // 2
+        else:
+            probs = self.stream.map()[first:limit]
+            smooth = np.convolve(np.pad(probs, 1, mode="edge"), np.ones(3) / 3, mode="valid")
+            cut = first + int(np.argmin(smooth))
+        cut = max(cut, start + 1)
+        yield from self._add_piece(start, cut)
+        self._piece_from = cut
+        self._run = (cut, max(self._run[1], cut)) if self._run else None
+
+    def _add_piece(self, start: int, end: int) -> Iterator[Window]:
+        if end <= start:
+            return
+        if self._pieces and end - self._pieces[0][0] > self.max_frames:
+            yield from self._emit()
+        self._pieces.append((start, end))
+
+    def _emit(self) -> Iterator[Window]:
+        if not self._pieces:
+            return
+        start, end = self._pieces[0][0], self._pieces[-1][1]
+        audio = self._take_audio(start, end)
+        speech = np.array(self._speech_frames(start, end), dtype=bool)
+        self._emitted_to = end
+        self._pieces = []
+        yield Window(self.source, self._index, start * FRAME_SAMPLES, audio, speech)
+        self._index += 1
+
+    # -- the audio buffer --------------------------------------------------------------------
+
+    def _take_audio(self, start: int, end: int) -> np.ndarray:
+        buffer = np.concatenate(self._audio) if len(self._audio) > 1 else self._audio[0]
+        self._audio = [buffer]
+        a = start * FRAME_SAMPLES - self._audio_start
+        b = min(end * FRAME_SAMPLES, self._audio_start + len(buffer)) - self._audio_start
+        assert a >= 0, "audio of a piece was dropped before it was cut"
+        return buffer[a:b].copy()
+
+    def _speech_frames(self, start: int, end: int) -> list[bool]:
+        first = self._audio_start // FRAME_SAMPLES
+        return self._speech[start - first : end - first]
+
+    def _drop_unneeded_audio(self) -> None:
+        """Forget audio (and frame decisions) that no window can take any more."""
+        if self._pieces:
+            keep = self._pieces[0][0]  # the window being filled
+        elif self._run is not None:
+            keep = self._piece_from
+        else:
+            keep = max(self._frame - self.pad, self._emitted_to)
+        keep_sample = keep * FRAME_SAMPLES
+        drop = keep_sample - self._audio_start
+        if drop <= 0 or not self._audio:
+            return
+        buffer = np.concatenate(self._audio)
+        self._audio = [buffer[drop:].copy()]
+        self._speech = self._speech[drop // FRAME_SAMPLES :]
+        self._audio_start = keep_sample
 
 
 def cut_windows(
     blocks: Iterable[np.ndarray],
+    detector: SileroVAD,
+    policy: Policy | None = None,
+    *,
+    vad: bool = True,
     source: int = 0,
-    max_seconds: float = 30.0,
-    search_seconds: float = 6.0,
 ) -> Iterator[Window]:
-    """Yield consecutive windows of at most ``max_seconds`` that together tile ``blocks``.
-
-    Each cut is chosen within the last ``search_seconds`` before the limit (see module doc).
-    Only about one window of audio is held at a time, whatever the block sizes.
-    """
-    max_len = round(max_seconds * SAMPLE_RATE)
-    search_len = round(search_seconds * SAMPLE_RATE)
-    if max_len < 1:
-        raise ValueError(f"max_seconds must allow at least one sample, got {max_seconds}")
-    if not 0 <= search_len < max_len:
-        raise ValueError("search_seconds must be at least 0 and less than max_seconds")
-
-    pending: list[np.ndarray] = []
-    pending_len = 0
-    offset = 0  # samples already emitted
-    index = 0
-    for block in blocks:
-        block = np.asarray(block, dtype=np.float32)
-        if block.ndim != 1:
-            raise ValueError(f"audio blocks must be 1-D, got shape {block.shape}")
-        pending.append(block)
-        pending_len += len(block)
-        # Cut only once more than a full window is buffered: only then is a cut needed.
-        if pending_len <= max_len:
-            continue
-        buffer = np.concatenate(pending)
-        while len(buffer) > max_len:
-            cut = choose_cut(buffer[:max_len], max_len - search_len)
-            yield Window(source, index, offset / SAMPLE_RATE, buffer[:cut].copy())
-            offset += cut
-            index += 1
-            buffer = buffer[cut:]
-        pending = [buffer.copy()]  # the copy lets the big concatenated buffer be freed
-        pending_len = len(buffer)
-    if pending_len:
-        yield Window(source, index, offset / SAMPLE_RATE, np.concatenate(pending))
+    """Windows of one input (see WindowCutter), for callers that need only the windows."""
+    yield from WindowCutter(detector, policy or Policy(), vad=vad, source=source).cut(blocks)
 
 
-def choose_cut(audio: np.ndarray, search_start: int) -> int:
-    """Sample index in ``[search_start, len(audio)]`` at which to end a window.
-
-    The middle of the longest quiet run of frames in the search region (ties: the later).
-    """
-    region = audio[search_start:]
-    frame = round(FRAME_SECONDS * SAMPLE_RATE)
-    hop = round(HOP_SECONDS * SAMPLE_RATE)
-    if len(region) < frame + hop * SMOOTH_FRAMES:  # no room to search: cut at the limit
-        return len(audio)
-    level = _smoothed_level_db(region, frame, hop)
-    quiet = level <= level.min() + QUIET_MARGIN_DB
-    first, last = _longest_run(quiet)
-    centre_frame = (first + last) / 2
-    return search_start + round(centre_frame * hop) + frame // 2
-
-
-def _smoothed_level_db(x: np.ndarray, frame: int, hop: int) -> np.ndarray:
-    """Mean power of each frame (hop apart), smoothed over SMOOTH_FRAMES, in dB."""
-    power = np.concatenate(([0.0], np.cumsum(np.square(x, dtype=np.float64))))
-    starts = np.arange(0, len(x) - frame + 1, hop)
-    energy = (power[starts + frame] - power[starts]) / frame
-    kernel = np.ones(SMOOTH_FRAMES) / SMOOTH_FRAMES
-    # mode="same" would mix in zeros at the edges and fake a pause there; pad with edges.
-    padded = np.pad(energy, SMOOTH_FRAMES // 2, mode="edge")
-    smoothed = np.convolve(padded, kernel, mode="valid")
-    return 10 * np.log10(smoothed + _EPS)
-
-
-def _longest_run(mask: np.ndarray) -> tuple[int, int]:
+def longest_run(mask: np.ndarray) -> tuple[int, int]:
     """First and last index of the longest run of True in ``mask`` (the later on ties)."""
     edges = np.diff(np.concatenate(([0], mask.astype(np.int8), [0])))
     starts = np.flatnonzero(edges == 1)
     ends = np.flatnonzero(edges == -1)  # exclusive
-    lengths = ends - starts
-    best = len(lengths) - 1 - int(np.argmax(lengths[::-1]))
+    best = len(starts) - 1 - int(np.argmax((ends - starts)[::-1]))
     return int(starts[best]), int(ends[best]) - 1

@@ -1,0 +1,223 @@
+"""The speech detector and the speech map: parity with Silero's own model, offline loading,
+threads, and what the map decides on real speech and generated non-speech."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from test_longform import BASIC, clip, english, split_licence, wer
+from typer.testing import CliRunner
+from util import REPO, real_model, shared_clip
+
+from whisper_cli.audio import SAMPLE_RATE, load_audio
+from whisper_cli.cli import app
+from whisper_cli.speech import FRAME_SAMPLES, SpeechStream, load_detector, silero_archive_path
+
+RATE = SAMPLE_RATE
+JFK = (
+    "And so my fellow Americans, ask not what your country can do for you, "
+    "ask what you can do for your country."
+)
+
+
+def dbfs(level: float) -> float:
+    return 10 ** (level / 20)
+
+
+def white(seconds: float, level_dbfs: float, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (dbfs(level_dbfs) * rng.standard_normal(round(seconds * RATE))).astype(np.float32)
+
+
+def brown(seconds: float, level_dbfs: float, seed: int = 1) -> np.ndarray:
+    """Brown (1/f^2) noise: integrated white noise, high-passed at 20 Hz against drift."""
+    x = np.cumsum(np.random.default_rng(seed).standard_normal(round(seconds * RATE)))
+    x -= np.convolve(x, np.ones(800) / 800, mode="same")
+    return (x / np.sqrt(np.mean(x**2)) * dbfs(level_dbfs)).astype(np.float32)
+
+
+def tones(seconds: float, freqs: tuple[float, ...], level: float = 0.3) -> np.ndarray:
+    t = np.arange(round(seconds * RATE)) / RATE
+    x = sum(np.sin(2 * np.pi * f * t) for f in freqs) / len(freqs)
+    return (level * x).astype(np.float32)
+
+
+def music(seconds: float) -> np.ndarray:
+    """Chords of a few harmonics, changing every half second, with soft attacks."""
+    chords = [(261.6, 329.6, 392.0), (220.0, 277.2, 329.6), (196.0, 246.9, 293.7)]
+    beat = round(0.5 * RATE)
+    parts = []
+    for i in range(round(seconds / 0.5)):
+        t = np.arange(beat) / RATE
+        chord = chords[i % len(chords)]
+        x = sum(np.sin(2 * np.pi * f * k * t) / k for f in chord for k in (1, 2, 3))
+        parts.append(x * np.minimum(1.0, t / 0.02) * np.exp(-2 * t))
+    x = np.concatenate(parts)
+    return (0.2 * x / np.abs(x).max()).astype(np.float32)
+
+
+# --- the detector ---------------------------------------------------------------------------
+
+
+def test_detector_matches_silero_per_frame_whatever_the_blocks() -> None:
+    """Our module over the wheel's weights equals the wheel's own (TorchScript) model."""
+    audio = np.concatenate([load_audio(shared_clip("jfk.flac")), white(3.0, -30), music(3.0)])
+    threads = torch.get_num_threads()
+    silero = torch.jit.load(str(silero_archive_path()), map_location="cpu")
+    silero.reset_states()
+    reference = []
+    for i in range(0, len(audio), FRAME_SAMPLES):
+        frame = torch.from_numpy(audio[i : i + FRAME_SAMPLES])
+        frame = torch.nn.functional.pad(frame, (0, FRAME_SAMPLES - len(frame)))
+        reference.append(silero(frame[None], RATE).item())
+    stream = SpeechStream(load_detector())
+    rng, i = np.random.default_rng(0), 0
+    while i < len(audio):
+        n = int(rng.integers(1, 50_000))
+        stream.push(audio[i : i + n])
+        i += n
+    stream.finish()
+    ours = stream.map()
+    assert len(ours) == len(reference) == -(-len(audio) // FRAME_SAMPLES)
+    assert np.abs(ours - np.array(reference)).max() <= 1e-4
+    jfk_frames = 11 * RATE // FRAME_SAMPLES
+    assert (ours[:jfk_frames] > 0.5).mean() > 0.5  # the speech is heard
+    assert (ours[jfk_frames + 10 :] < 0.5).mean() > 0.95  # the noise and music are not
+    assert torch.get_num_threads() == threads
+
+
+def test_detector_loads_offline_from_the_wheel_without_changing_threads(tmp_path) -> None:
+    """In a fresh process with no network: silero_vad is never imported (it would set
+    torch's threads to 1), and a whole run leaves the thread count as it was."""
+    path = tmp_path / "jfk.wav"
+    sf.write(path, load_audio(shared_clip("jfk.flac")), RATE)
+    code = f"""
+import json, sys, torch
+torch.set_num_threads(2)
+from whisper_cli.dtypes import resolve_policy
+from whisper_cli.loading import load_model
+from whisper_cli.pipeline import TranscribeOptions, Transcriber
+t = Transcriber(load_model({str(real_model("tiny.en"))!r}, resolve_policy("f32", "cpu")),
+                TranscribeOptions())
+text = t.transcribe({str(path)!r}).text
+print(json.dumps({{"threads": torch.get_num_threads(), "text": text,
+                  "silero_imported": "silero_vad" in sys.modules}}))
+"""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "HF_HUB_OFFLINE": "1",
+        "HTTPS_PROXY": "http://127.0.0.1:9",  # any network use fails at once
+        "HTTP_PROXY": "http://127.0.0.1:9",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.splitlines()[-1])
+    assert report == {"threads": 2, "text": report["text"], "silero_imported": False}
+    assert "fellow americans" in english(report["text"])
+
+
+# --- non-speech gives no text -----------------------------------------------------------------
+
+NON_SPEECH = {
+    "silence": lambda: np.zeros(60 * RATE, np.float32),
+    "white noise -30 dBFS": lambda: white(60.0, -30),
+    "brown noise -26 dBFS": lambda: brown(60.0, -26),
+    "440 Hz tone": lambda: tones(60.0, (440.0,)),
+    "chord": lambda: tones(60.0, (261.6, 329.6, 392.0, 523.3)),
+}
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+@pytest.mark.parametrize("model", ["tiny.en", "base"])
+@pytest.mark.parametrize("kind", list(NON_SPEECH))
+def test_non_speech_gives_no_text(tmp_path, kind: str, model: str) -> None:
+    path = tmp_path / "signal.wav"
+    sf.write(path, NON_SPEECH[kind](), RATE, subtype="FLOAT")
+    args = ["transcribe", str(path), "--model", str(real_model(model)), "-f", "json", "-q"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    data = json.loads(result.stdout)
+    assert data["text"] == "" and data["segments"] == [], data["segments"]
+    assert data["duration"] == pytest.approx(60.0)
+
+
+# --- speech behind noise and after silence ----------------------------------------------------
+
+
+def onset(audio: np.ndarray) -> float:
+    """Seconds to the first 20 ms frame within 20 dB of the clip's loud level (energy only,
+    independent of the detector)."""
+    hop = RATE // 50
+    power = np.mean(audio[: len(audio) // hop * hop].reshape(-1, hop) ** 2, axis=1)
+    level = 10 * np.log10(power + 1e-12)
+    return float(np.flatnonzero(level > np.percentile(level, 95) - 20)[0] * hop / RATE)
+
+
+@pytest.mark.parametrize("model", ["tiny_en", "base_model"])
+def test_speech_behind_noise_and_after_silence_is_timed_and_nothing_invented(
+    model: str, tmp_path, transcriber, request
+) -> None:
+    jfk = load_audio(shared_clip("jfk.flac"))
+    audio = np.concatenate([white(30.0, -30), jfk, np.zeros(20 * RATE, np.float32), jfk])
+    path = tmp_path / "noise_jfk_silence_jfk.wav"
+    sf.write(path, audio, RATE, subtype="FLOAT")
+    loaded = request.getfixturevalue(model)
+    on, off = transcriber(loaded), transcriber(loaded, vad=False)
+    result = on.transcribe(str(path))
+    print({s.start: s.text for s in result.segments})
+    assert wer(JFK + " " + JFK, result.text) <= 0.1
+    assert english(result.text).count("ask not what your country") == 2
+    second = 30.0 + len(jfk) / RATE + 20.0
+    for speech_start in (30.0 + onset(jfk), second + onset(jfk)):
+        first = min(
+            (s for s in result.segments if s.start >= speech_start - 1.5), key=lambda s: s.start
+        )
+        assert abs(first.start - speech_start) <= 0.7, (first.start, speech_start)
+    off.transcribe(str(path))
+    assert on.counters.encoded_rows < off.counters.encoded_rows
+
+
+# --- language from speech, not from what comes first -------------------------------------------
+
+
+def test_music_intro_does_not_decide_the_language(tmp_path, transcriber, base_model) -> None:
+    audio = load_audio(shared_clip("multilingual.mp3"))
+    german = audio[round(29.5 * RATE) :]
+    path = tmp_path / "music_then_german.wav"
+    sf.write(path, np.concatenate([music(20.0), german]), RATE, subtype="FLOAT")
+    result = transcriber(base_model).transcribe(str(path))
+    assert result.language == "de"
+    german_ref = split_licence(clip("multilingual.mp3")["reference"])[1]
+    assert wer(german_ref, result.text, BASIC) <= 0.5
+
+
+@pytest.mark.slow
+def test_every_stretch_of_speech_has_text(transcriber, base_model) -> None:
+    """multilingual.mp3, language detected once (English): the German half still gets text
+    wherever the map hears speech; no stretch of 10 s of speech is left empty."""
+    from whisper_cli.options import Policy
+    from whisper_cli.windows import WindowCutter
+
+    path = shared_clip("multilingual.mp3")
+    result = transcriber(base_model).transcribe(str(path))
+    assert result.language == "en"
+    cutter = WindowCutter(load_detector(), Policy())
+    list(cutter.cut([load_audio(path)]))
+    speech = cutter.speech_map >= Policy().vad_threshold
+    frame = FRAME_SAMPLES / RATE
+    for start in np.arange(0.0, result.duration - 10.0, 5.0):
+        a, b = round(start / frame), round((start + 10.0) / frame)
+        if speech[a:b].mean() < 0.5:
+            continue
+        covered = [s for s in result.segments if s.end > start and s.start < start + 10.0]
+        assert any(s.text.strip() for s in covered), f"no text in {start:.0f}-{start + 10:.0f} s"
