@@ -1,0 +1,119 @@
+"""Per-row temperature fallback: re-queued rows, untouched neighbours, seeded sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import soundfile as sf
+from util import shared_clip
+
+from whisper_cli.audio import SAMPLE_RATE, load_audio
+from whisper_cli.decoding import DecodedRow
+from whisper_cli.options import Policy
+
+FAILING = 7  # the one input of the "right" speaker, whose window fails below 0.5
+MARK = "horizon"  # its text: "The horizon seems extremely distant."
+
+
+@pytest.fixture(scope="module")
+def sixteen(tmp_path_factory) -> list[str]:
+    """16 short inputs of real speech (one window each), so they fill one batch of 16."""
+    out = tmp_path_factory.mktemp("sixteen")
+    stereo = shared_clip("stereo_diarization.wav")
+    others = [
+        load_audio(shared_clip("jfk.flac")),
+        load_audio(stereo, "left"),
+        load_audio(shared_clip("hotwords.mp3")),
+    ]
+    paths = []
+    for i in range(16):
+        if i == FAILING:
+            audio = load_audio(stereo, "right")
+        else:
+            audio = others[i % 3][: round((3.0 + i % 4) * SAMPLE_RATE)] * (0.4 + 0.1 * (i % 5))
+        path = out / f"input{i:02d}.wav"
+        sf.write(path, audio.astype(np.float32), SAMPLE_RATE, subtype="FLOAT")
+        paths.append(str(path))
+    return paths
+
+
+def run(t, paths: list[str], monkeypatch) -> tuple[dict, list[tuple[bool, float]]]:
+    """Transcripts by path, and (is the failing input, temperature) of every row decoded.
+
+    The failing input's window is made to fail at temperatures below 0.5; every other
+    check is the pipeline's own."""
+    decoded: list[tuple[bool, float]] = []
+    text = lambda row: t.loaded.tokenizer.decode(list(row.tokens)).lower()  # noqa: E731
+    real_fallback = type(t)._needs_fallback
+
+    def needs_fallback(self, row: DecodedRow) -> bool:
+        return real_fallback(self, row) or (MARK in text(row) and row.temperature < 0.5)
+
+    real_decode = t.decoder.decode
+
+    def decode(*args, **kwargs):
+        rows = real_decode(*args, **kwargs)
+        decoded.extend((MARK in text(row), row.temperature) for row in rows)
+        return rows
+
+    monkeypatch.setattr(t.decoder, "decode", decode)
+    monkeypatch.setattr(type(t), "_needs_fallback", needs_fallback)
+    results, errors = [], []
+    t.run(paths, results.append, errors.append)
+    assert not errors
+    return {r.path: r for r in results}, decoded
+
+
+# Only the forced failure (and loops) fall back here, so that every other row is known to
+# pass at temperature 0 and must come out as it does with no fallback at all.
+FORCED_ONLY = {"logprob_threshold": -100.0, "compression_ratio_threshold": 100.0}
+
+
+def test_one_failing_row_falls_back_alone(sixteen, tiny_en, transcriber, monkeypatch) -> None:
+    with_fallback = transcriber(tiny_en, policy=Policy(**FORCED_ONLY))
+    fallback, decoded = run(with_fallback, sixteen, monkeypatch)
+    no_fallback = transcriber(tiny_en, policy=Policy(temperatures=(0.0,), **FORCED_ONLY))
+    plain, _ = run(no_fallback, sixteen, monkeypatch)
+    assert len(decoded[:16]) == 16 and sum(failing for failing, _ in decoded[:16]) == 1
+    assert all(t == 0.0 for _, t in decoded[:16])  # one full batch first
+    # The failing window alone is decoded again, at exactly 0.2 and 0.4; it passes at 0.6.
+    assert decoded[16:] == [(True, 0.2), (True, 0.4), (True, 0.6)]
+    for i, path in enumerate(sixteen):
+        if i != FAILING:
+            assert fallback[path].segments == plain[path].segments  # untouched neighbours
+    kept = fallback[sixteen[FAILING]]
+    assert MARK in kept.text.lower()  # the text decoded at 0.6
+
+    again, _ = run(transcriber(tiny_en, policy=Policy(**FORCED_ONLY)), sixteen, monkeypatch)
+    assert again[sixteen[FAILING]].segments == kept.segments  # the same seed, the same text
+
+
+def test_rows_that_loop_or_are_unsure_fall_back_and_silence_does_not(tiny_en, transcriber):
+    t = transcriber(tiny_en)
+    words = tiny_en.tokenizer.encode_text(" Ask not what your country can do for you.")
+    ts = tiny_en.tokenizer.special.timestamp_begin
+    row = DecodedRow(
+        tokens=(ts, *words, ts + 100), avg_logprob=-0.2, no_speech_prob=0.01, language=None
+    )
+    assert not t._needs_fallback(row)
+    assert t._needs_fallback(DecodedRow(**{**vars(row), "looped": True}))
+    assert t._needs_fallback(DecodedRow(**{**vars(row), "avg_logprob": -1.2}))
+    loop = (ts, *(words * 8), ts + 1000)
+    assert t._needs_fallback(DecodedRow(**{**vars(row), "tokens": loop}))
+    # Likely no speech and unsure: silence, which never falls back.
+    assert not t._needs_fallback(
+        DecodedRow(**{**vars(row), "avg_logprob": -1.2, "no_speech_prob": 0.9})
+    )
+
+
+def test_best_candidate_when_every_temperature_fails(tiny_en, transcriber) -> None:
+    t = transcriber(tiny_en)
+    words = tiny_en.tokenizer.encode_text(" Ask not what your country can do for you.")
+    ts = tiny_en.tokenizer.special.timestamp_begin
+    base = {"no_speech_prob": 0.01, "language": None}
+    looping = DecodedRow(tokens=(ts, *(words * 8)), avg_logprob=-0.1, looped=True, **base)
+    unsure = DecodedRow(tokens=(ts, *words, ts + 9), avg_logprob=-1.5, **base)
+    less_unsure = DecodedRow(tokens=(ts, *words, ts + 8), avg_logprob=-1.1, **base)
+    # Among those that are not repetitive, the best average log-prob (faster-whisper's rule).
+    assert t._best([looping, unsure, less_unsure, unsure]) is less_unsure
+    assert t._best([looping, looping]) is looping  # none is fine: the best of all
