@@ -73,6 +73,7 @@ class BenchConfig:
     compile: str = "auto"  # auto: on for CUDA, off on CPU
     repeats: int = 3  # timed runs after the warm-up; the median is reported
     timestamps: bool = True
+    vad: bool = True  # the speech map decides where speech is (off: every window decoded)
     against: str | None = None  # "transformers": also time and compare a reference
     device: str = "auto"
     language: str | None = None  # None: detected per input, as the CLI does
@@ -288,6 +289,7 @@ def _child_spec(
         "max_new_tokens": config.max_new_tokens,
         "repeats": config.repeats,
         "timestamps": config.timestamps,
+        "vad": config.vad,
         "language": config.language,
         "threads": config.threads,
         "against": config.against,
@@ -479,6 +481,7 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
             batch_size=spec["batch_size"],
             max_new_tokens=spec["max_new_tokens"],
             compile=use_compile,
+            vad=spec.get("vad", True),
         ),
     )
     probe = _Probe(transcriber.decoder, sync)

@@ -348,6 +348,7 @@ def eval_command(
     ] = "f32",
     device: DeviceOpt = "auto",
     batch_size: Annotated[int, typer.Option(min=1)] = 16,
+    vad: Annotated[bool, typer.Option(help="The speech map on (default) or off.")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
 ) -> None:
@@ -358,7 +359,12 @@ def eval_command(
 
     try:
         report = evaluate(
-            manifest, model or "base", dtype.split(","), device=device, batch_size=batch_size
+            manifest,
+            model or "base",
+            dtype.split(","),
+            device=device,
+            batch_size=batch_size,
+            vad=vad,
         )
     except WhisperCliError as exc:
         raise _fail(exc, debug) from None
@@ -380,6 +386,7 @@ def bench(
     compile: CompileOpt = Compile.auto,
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs; the median is shown.")] = 3,
     timestamps: Annotated[bool, typer.Option(help="Timestamp mode (the default).")] = True,
+    vad: Annotated[bool, typer.Option(help="The speech map on (default) or off.")] = True,
     against: Annotated[
         str | None, typer.Option(help="transformers: also run the reference and compare.")
     ] = None,
@@ -402,6 +409,7 @@ def bench(
         compile=compile.value,
         repeats=repeats,
         timestamps=timestamps,
+        vad=vad,
         against=against,
         device=device,
     )

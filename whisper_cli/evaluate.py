@@ -294,7 +294,9 @@ def expand_dtypes(dtypes: Iterable[str]) -> list[str]:
     return out
 
 
-def options_for(item: EvalItem, multilingual_model: bool, batch_size: int) -> TranscribeOptions:
+def options_for(
+    item: EvalItem, multilingual_model: bool, batch_size: int, vad: bool = True
+) -> TranscribeOptions:
     """A known language is given, not detected, so detection errors do not count as WER.
 
     English-only models take no language at all; a clip naming two languages is
@@ -307,7 +309,11 @@ def options_for(item: EvalItem, multilingual_model: bool, batch_size: int) -> Tr
         else:
             language = item.languages[0]
     return TranscribeOptions(
-        language=language, multilingual=multilingual, channel=item.channel, batch_size=batch_size
+        language=language,
+        multilingual=multilingual,
+        channel=item.channel,
+        batch_size=batch_size,
+        vad=vad,
     )
 
 
@@ -338,6 +344,7 @@ def evaluate(
     device: str | None = None,
     batch_size: int = 16,
     progress: Callable[[EvalProgress], None] | None = None,
+    vad: bool = True,
 ) -> EvalReport:
     """Score ``model`` on every referenced clip of the manifest, once per dtype."""
     manifest = read_manifest(manifest_path)
@@ -357,7 +364,7 @@ def evaluate(
         if not results:  # the same model in every dtype: decide what it can score once
             items, unsupported = split_supported(manifest.items, loaded)
             skipped.extend(unsupported)
-        results.append(evaluate_loaded(items, loaded, batch_size, progress, load_s))
+        results.append(evaluate_loaded(items, loaded, batch_size, progress, load_s, vad))
         del loaded  # free this dtype's weights before the next dtype loads its own
     return EvalReport(
         manifest=str(manifest.path),
@@ -397,6 +404,7 @@ def evaluate_loaded(
     batch_size: int = 16,
     progress: Callable[[EvalProgress], None] | None = None,
     load_s: float = 0.0,
+    vad: bool = True,
 ) -> DtypeResult:
     """One dtype's run: transcribe every item (grouped by options, batched), then score."""
     dtype = loaded.policy.name
@@ -406,7 +414,7 @@ def evaluate_loaded(
 
     groups: dict[TranscribeOptions, list[EvalItem]] = {}
     for item in items:
-        options = options_for(item, loaded.tokenizer.is_multilingual, batch_size)
+        options = options_for(item, loaded.tokenizer.is_multilingual, batch_size, vad)
         groups.setdefault(options, []).append(item)
 
     transcripts: dict[EvalItem, Transcript] = {}

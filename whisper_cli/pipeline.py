@@ -69,6 +69,7 @@ class _Input:
     language: LanguageGuess | None = None
     segments: list[Segment] = field(default_factory=list)
     pending: int = 0  # windows cut but not finally decoded yet
+    done_to: float = 0.0  # seconds: the end of its latest finally decoded window
     cut_done: bool = False  # the last window of this input has been cut
     started: float = field(default_factory=time.perf_counter)
 
@@ -192,9 +193,10 @@ class Transcriber:
                 item = inputs[job.window.source]
                 if all(job is not other for other in again):
                     item.pending -= 1
+                    item.done_to = max(item.done_to, job.window.end)
                 finish(item)
             if on_progress:
-                done = sum(i.duration for i in inputs if i.cut_done and not i.pending)
+                done = sum(i.duration if i.index in reported else i.done_to for i in inputs)
                 on_progress(Progress(done, total, time.perf_counter() - started))
 
     # -- batching --------------------------------------------------------------------
