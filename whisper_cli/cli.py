@@ -75,6 +75,35 @@ DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
 CompileOpt = Annotated[
     Compile, typer.Option(help="torch.compile the decode step: auto = on for CUDA.")
 ]
+# The transcription options, shared by `transcribe` and `batch` (built by _options).
+LanguageOpt = Annotated[
+    str | None, typer.Option("--language", "-l", help="Language code; default: detect.")
+]
+MultilingualOpt = Annotated[
+    bool, typer.Option(help="Detect the language of every 30 s window, not once per file.")
+]
+TaskOpt = Annotated[Task, typer.Option(help="transcribe, or translate to English.")]
+TimestampsOpt = Annotated[
+    bool,
+    typer.Option(
+        help="Decode with timestamps (default). --no-timestamps is faster but drops "
+        "whole utterances from independent windows (measured: 21-30% of words lost).",
+    ),
+]
+BatchSizeOpt = Annotated[int, typer.Option(min=1, help="Windows decoded together.")]
+MaxNewTokensOpt = Annotated[int, typer.Option(min=1, help="Tokens per 30 s window.")]
+InitialPromptOpt = Annotated[
+    str | None, typer.Option(help="Text that conditions every window (names, terms).")
+]
+ChannelOpt = Annotated[
+    str | None, typer.Option(help="left, right or a channel index; default: down-mix.")
+]
+FormatOpt = Annotated[Format, typer.Option("--format", "-f", help="Output format.")]
+NoSpeechOpt = Annotated[float, typer.Option(help="Silence guard.")]
+LogprobOpt = Annotated[float, typer.Option(help="Silence guard.")]
+CompressionOpt = Annotated[float, typer.Option(help="Drop looping segments above this gzip ratio.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs.")]
+DebugOpt = Annotated[bool, typer.Option(help="Show tracebacks.")]
 
 
 def _stderr(message: str) -> None:
@@ -92,11 +121,11 @@ def _fail(exc: WhisperCliError, debug: bool) -> typer.Exit:
 
 def _load(model: str | None, dtype: Dtype, device: str, quiet: bool):
     from whisper_cli.dtypes import resolve_policy
-    from whisper_cli.loading import load_model
+    from whisper_cli.loading import default_model, load_model
 
     policy = resolve_policy(dtype.value, device)
     if model is None:
-        model = "turbo" if policy.device.type == "cuda" else "base"
+        model = default_model(policy.device.type)
     started = time.perf_counter()
     loaded = load_model(model, policy)
     if not quiet:
@@ -111,37 +140,44 @@ def _use_compile(choice: Compile, device_type: str) -> bool:
     return choice == Compile.on or (choice == Compile.auto and device_type == "cuda")
 
 
+def _options(a: dict, device_type: str):
+    """TranscribeOptions from the transcription options of `transcribe` or `batch`."""
+    from whisper_cli.pipeline import TranscribeOptions
+
+    channel = a["channel"]
+    if channel is not None and channel.isdigit():
+        channel = int(channel)
+    return TranscribeOptions(
+        language=a["language"],
+        multilingual=a["multilingual"],
+        task=a["task"].value,
+        timestamps=a["timestamps"],
+        batch_size=a["batch_size"],
+        max_new_tokens=a["max_new_tokens"],
+        initial_prompt=a["initial_prompt"],
+        channel=channel,
+        compile=_use_compile(a["compile"], device_type),
+        no_speech_threshold=a["no_speech_threshold"],
+        logprob_threshold=a["logprob_threshold"],
+        compression_ratio_threshold=a["compression_ratio_threshold"],
+    )
+
+
 @app.command()
 def transcribe(
     inputs: Annotated[list[str], typer.Argument(help="Audio files, directories, or - for stdin.")],
     model: ModelOpt = None,
     dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "auto",
-    language: Annotated[
-        str | None, typer.Option("--language", "-l", help="Language code; default: detect.")
-    ] = None,
-    multilingual: Annotated[
-        bool, typer.Option(help="Detect the language of every 30 s window, not once per file.")
-    ] = False,
-    task: Annotated[Task, typer.Option(help="transcribe, or translate to English.")] = (
-        Task.transcribe
-    ),
-    timestamps: Annotated[
-        bool,
-        typer.Option(
-            help="Decode with timestamps (default). --no-timestamps is faster but drops "
-            "whole utterances from independent windows (measured: 21-30% of words lost).",
-        ),
-    ] = True,
-    batch_size: Annotated[int, typer.Option(min=1, help="Windows decoded together.")] = 16,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens per 30 s window.")] = 224,
-    initial_prompt: Annotated[
-        str | None, typer.Option(help="Text that conditions every window (names, terms).")
-    ] = None,
-    channel: Annotated[
-        str | None, typer.Option(help="left, right or a channel index; default: down-mix.")
-    ] = None,
-    fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.txt,
+    language: LanguageOpt = None,
+    multilingual: MultilingualOpt = False,
+    task: TaskOpt = Task.transcribe,
+    timestamps: TimestampsOpt = True,
+    batch_size: BatchSizeOpt = 16,
+    max_new_tokens: MaxNewTokensOpt = 224,
+    initial_prompt: InitialPromptOpt = None,
+    channel: ChannelOpt = None,
+    fmt: FormatOpt = Format.txt,
     output_dir: Annotated[
         Path | None, typer.Option("--output-dir", "-o", help="Write DIR/<stem>.<ext> files.")
     ] = None,
@@ -152,14 +188,12 @@ def transcribe(
         bool, typer.Option(help="Skip inputs whose outputs exist in --output-dir.")
     ] = False,
     compile: CompileOpt = Compile.auto,
-    no_speech_threshold: Annotated[float, typer.Option(help="Silence guard.")] = 0.6,
-    logprob_threshold: Annotated[float, typer.Option(help="Silence guard.")] = -1.0,
-    compression_ratio_threshold: Annotated[
-        float, typer.Option(help="Drop looping segments above this gzip ratio.")
-    ] = 2.4,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs.")] = False,
+    no_speech_threshold: NoSpeechOpt = 0.6,
+    logprob_threshold: LogprobOpt = -1.0,
+    compression_ratio_threshold: CompressionOpt = 2.4,
+    quiet: QuietOpt = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print segments.")] = False,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+    debug: DebugOpt = False,
 ) -> None:
     """Transcribe audio files (any format, any length) to text, subtitles or JSON."""
     try:
@@ -188,30 +222,10 @@ def _transcribe(**a) -> int:
         paths = [p for p in paths if p not in skipped]
         if skipped and not a["quiet"]:
             _stderr(f"whisper-cli: skipping {len(skipped)} input(s) with existing outputs")
-    channel = a["channel"]
-    if channel is not None and channel.isdigit():
-        channel = int(channel)
-
     loaded = _load(a["model"], a["dtype"], a["device"], a["quiet"])
-    from whisper_cli.pipeline import TranscribeOptions, Transcriber
+    from whisper_cli.pipeline import Transcriber
 
-    transcriber = Transcriber(
-        loaded,
-        TranscribeOptions(
-            language=a["language"],
-            multilingual=a["multilingual"],
-            task=a["task"].value,
-            timestamps=a["timestamps"],
-            batch_size=a["batch_size"],
-            max_new_tokens=a["max_new_tokens"],
-            initial_prompt=a["initial_prompt"],
-            channel=channel,
-            compile=_use_compile(a["compile"], loaded.policy.device.type),
-            no_speech_threshold=a["no_speech_threshold"],
-            logprob_threshold=a["logprob_threshold"],
-            compression_ratio_threshold=a["compression_ratio_threshold"],
-        ),
-    )
+    transcriber = Transcriber(loaded, _options(a, loaded.policy.device.type))
     failures = 0
     for err in input_errors:
         _stderr(f"whisper-cli: error: {err.message}")
