@@ -294,6 +294,171 @@ class _progress:
             self.bar.stop()
 
 
+class Engine(str, Enum):
+    local = "local"
+    ray = "ray"
+
+
+@app.command()
+def batch(
+    manifest: Annotated[
+        str,
+        typer.Argument(
+            help="A directory (searched recursively), a text file of paths, or JSONL with "
+            '"path" and optional "language"/"task"; a local path or an fsspec URL.'
+        ),
+    ],
+    output_dir: Annotated[
+        Path,
+        typer.Option(
+            "--output-dir", "-o", help="Write DIR/<stem>.<ext> files and DIR/summary.jsonl."
+        ),
+    ],
+    engine: Annotated[
+        Engine, typer.Option(help="local: in this process; ray: Ray Data actors.")
+    ] = Engine.local,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="auto or HOST:PORT of a running cluster; default: a local one."),
+    ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Ray actors, each loading the model once; default: one per G GPUs of the "
+            "cluster, or one per node without GPUs.",
+        ),
+    ] = None,
+    gpus_per_worker: Annotated[
+        float | None,
+        typer.Option(
+            min=0, help="G: GPUs per actor (0.5: two share one); default 1 where there are GPUs."
+        ),
+    ] = None,
+    shard: Annotated[
+        str | None,
+        typer.Option(help="I/N: only part I of N (0-based) of the manifest, stable by path."),
+    ] = None,
+    model: ModelOpt = None,
+    dtype: DtypeOpt = Dtype.auto,
+    device: DeviceOpt = "auto",
+    language: LanguageOpt = None,
+    multilingual: MultilingualOpt = False,
+    task: TaskOpt = Task.transcribe,
+    timestamps: TimestampsOpt = True,
+    batch_size: BatchSizeOpt = 16,
+    max_new_tokens: MaxNewTokensOpt = 224,
+    initial_prompt: InitialPromptOpt = None,
+    channel: ChannelOpt = None,
+    fmt: FormatOpt = Format.txt,
+    compile: CompileOpt = Compile.auto,
+    no_speech_threshold: NoSpeechOpt = 0.6,
+    logprob_threshold: LogprobOpt = -1.0,
+    compression_ratio_threshold: CompressionOpt = 2.4,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Transcribe a manifest into a directory: resumable, shardable, locally or on Ray."""
+    try:
+        code = _batch(**locals())
+    except WhisperCliError as exc:
+        raise _fail(exc, debug) from None
+    except KeyboardInterrupt:
+        _stderr("whisper-cli: interrupted; finished outputs are complete: run again to resume")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    raise typer.Exit(code)
+
+
+def _batch(**a) -> int:
+    from whisper_cli.batch import BatchConfig, parse_shard, run_batch
+
+    config = BatchConfig(
+        manifest=a["manifest"],
+        output_dir=a["output_dir"],
+        fmt=a["fmt"].value,
+        model=a["model"],
+        dtype=a["dtype"].value,
+        device=a["device"],
+        engine=a["engine"].value,
+        ray_address=a["ray_address"],
+        workers=a["workers"],
+        gpus_per_worker=a["gpus_per_worker"],
+        shard=parse_shard(a["shard"]) if a["shard"] is not None else None,
+    )
+    quiet = a["quiet"]
+
+    def on_record(record) -> None:
+        _check_interrupt()
+        if record.status == "failed":
+            _stderr(f"whisper-cli: error: {record.error}")
+
+    def log(message: str) -> None:
+        if not quiet:
+            _stderr(f"whisper-cli: {message}")
+
+    with _batch_progress(quiet) as on_progress:
+        report = run_batch(
+            config, lambda device_type: _options(a, device_type), on_record, on_progress, log
+        )
+    _check_interrupt()
+    log(
+        f"{report.processed - report.failed} written, {report.failed} failed, "
+        f"{report.skipped} already done; summary: {report.summary}"
+    )
+    return EXIT_INPUT_FAILED if report.failed else EXIT_OK
+
+
+class _batch_progress:
+    """Inputs done / total, audio hours and RTFx on stderr: a bar on a terminal, else lines."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.bar = None
+
+    def __enter__(self):
+        if self.quiet:
+            return None
+        if not sys.stderr.isatty():
+            return self.line
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.bar = Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("inputs, {task.fields[hours]:.2f} h audio, RTFx {task.fields[rtfx]:.1f}"),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self.bar.start()
+        self.task = self.bar.add_task("transcribing", total=None, hours=0.0, rtfx=0.0)
+        return self.update
+
+    @staticmethod
+    def _rtfx(p) -> float:
+        return p.audio_seconds / p.elapsed if p.elapsed > 0 else 0.0
+
+    def line(self, p) -> None:
+        _stderr(
+            f"whisper-cli: {p.done}/{p.total} inputs ({p.failed} failed), "
+            f"{p.audio_seconds / 3600:.2f} h audio, RTFx {self._rtfx(p):.1f}"
+        )
+
+    def update(self, p) -> None:
+        self.bar.update(
+            self.task,
+            completed=p.done,
+            total=p.total,
+            hours=p.audio_seconds / 3600,
+            rtfx=self._rtfx(p),
+        )
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
 @app.command()
 def convert(
     src: Annotated[Path, typer.Argument(help="CTranslate2 / faster-whisper model directory.")],
