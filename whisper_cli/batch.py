@@ -252,7 +252,7 @@ def run_batch(
     log = on_log or (lambda message: None)
     if config.engine == "ray":
         _import_ray()  # before any work: it may not be installed
-    plan = OutputPlan.make(config.fmt, config.output_dir, 2)
+    plan = OutputPlan.make(config.fmt, config.output_dir, n_inputs=2)  # always "several"
     items = read_manifest(config.manifest)
     plan.check_distinct([it.path for it in items])  # over the whole manifest: every shard
     items = shard_items(items, config.shard)
@@ -479,7 +479,19 @@ def _run_local(config, plan, make_options, todo, record, log) -> None:
         f"[{time.perf_counter() - started:.1f} s]"
     )
     spec = WorkerSpec(model, config.dtype, config.device, make_options(policy.device.type), plan)
-    Worker(spec, loaded).process(todo, record)
+    worker = Worker(spec, loaded)
+    size = _files_per_call(spec.options.batch_size, len(todo), 1)
+    for start in range(0, len(todo), size):
+        worker.process(todo[start : start + size], record)
+
+
+def _files_per_call(batch_size: int, n_inputs: int, workers: int) -> int:
+    """Inputs handed to a worker at a time (and whose URLs are copied to its disk at once).
+
+    As many as windows per batch, so that short files still fill a batch; fewer where
+    that would leave a worker without any.
+    """
+    return max(1, min(batch_size, math.ceil(n_inputs / workers)))
 
 
 def _import_ray():
@@ -520,9 +532,7 @@ def _run_ray(config, plan, make_options, todo, record, log) -> None:
         # A batch whose actor died past its retries is dropped and listed as failed by
         # run_batch, instead of ending the whole run.
         context.max_errored_blocks = -1
-        # As many files per call as windows per batch (short files still fill a batch),
-        # fewer where that leaves a worker without any.
-        per_call = max(1, min(spec.options.batch_size, math.ceil(len(todo) / sizing.workers)))
+        per_call = _files_per_call(spec.options.batch_size, len(todo), sizing.workers)
         blocks = math.ceil(len(todo) / per_call)
         rows = [
             {"path": it.path, "language": it.language or "", "task": it.task or ""} for it in todo
