@@ -9,8 +9,12 @@ of `whisper-cli transcribe` on the same file, byte for byte (JSON without its ti
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -361,3 +365,55 @@ def test_ray_worker_that_cannot_start_is_a_run_level_error(ray_cluster, manifest
     assert f"error: model directory {not_a_model} is missing config.json" in result.stderr
     assert "Traceback" not in result.stderr
     assert summary(out) == {}  # nothing was done, nothing is claimed
+
+
+def our_ray_actors() -> list[int]:
+    """Pids of the map actors of the cluster this process started (raylet's children)."""
+
+    def parent(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            pid = int(entry.name)
+            if cmdline.startswith(b"ray::MapWorker") and os.getpid() in (
+                parent(pid),
+                parent(parent(pid)),
+            ):
+                found.append(pid)
+        except (ValueError, OSError):
+            continue
+    return found
+
+
+@pytest.mark.slow  # ~30 s: a second actor starts and loads the model
+def test_ray_actor_killed_mid_run_is_restarted(ray_cluster, manifest, transcribed, tmp_path):
+    """SIGKILL the actor once an input is written: Ray restarts it and retries its batch."""
+    *good, corrupt = manifest_paths(manifest)
+    out = tmp_path / "out"
+    killed: list[int] = []
+
+    def kill_the_actor() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed:
+            if out.is_dir() and any(p.suffix == ".tsv" for p in out.iterdir()):
+                for pid in our_ray_actors():
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=kill_the_actor, daemon=True)
+    killer.start()
+    args = ["batch", str(manifest), "-o", str(out), "-m", tiny(), "-f", "all"]
+    result = cli(*args, "--engine", "ray", "--batch-size", "1")
+    killer.join(timeout=1)
+    assert killed, "no actor was killed"
+    assert result.exit_code == 1, result.stderr
+    records = summary(out)
+    assert list(records) == manifest_paths(manifest)
+    assert [records[p]["status"] for p in good] == ["ok"] * len(good)
+    assert records[corrupt]["status"] == "failed"
+    assert_written_like_transcribe(out, transcribed, good)
+    assert_no_partial_files(out)

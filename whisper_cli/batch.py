@@ -268,8 +268,6 @@ def run_batch(
             )
         else:
             todo.append(item)
-            for stale in (t for p in plan.paths(item.path) for t in temp_files(p)):
-                stale.unlink(missing_ok=True)  # left by a process killed while writing
     if records:
         log(f"{len(records)} of {len(items)} input(s) already done, {len(todo)} to transcribe")
     # Inputs with the same language and task share a Transcriber: keep them together.
@@ -409,6 +407,11 @@ class Worker:
     def _process_group(
         self, key: tuple[str | None, str | None], items: list[Item], on_record: Callable
     ) -> None:
+        # Temp files of these outputs are left by a worker killed while writing them; this
+        # call may be the retry of its batch.
+        for item in items:
+            for stale in (t for p in self.spec.plan.paths(item.path) for t in temp_files(p)):
+                stale.unlink(missing_ok=True)
         finished: set[str] = set()
 
         def finish(record: Record) -> None:
