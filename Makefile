@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_PIN)"
-	$(PIP) install -q -e ".[test]" "$(TORCH_PIN)"
+	$(PIP) install -q -e ".[test,ray]" "$(TORCH_PIN)"
 	touch $@
 
 install: $(VENV)/.installed

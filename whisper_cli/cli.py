@@ -76,6 +76,59 @@ DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
 CompileOpt = Annotated[
     Compile, typer.Option(help="torch.compile the decode step: auto = on for CUDA.")
 ]
+# The transcription options, shared by `transcribe` and `batch` (built by _options).
+LanguageOpt = Annotated[
+    str | None, typer.Option("--language", "-l", help="Language code; default: detect.")
+]
+MultilingualOpt = Annotated[
+    bool, typer.Option(help="Detect the language of every 30 s window, not once per file.")
+]
+TaskOpt = Annotated[Task, typer.Option(help="transcribe, or translate to English.")]
+TimestampsOpt = Annotated[
+    bool,
+    typer.Option(
+        help="Decode with timestamps (default). --no-timestamps is faster but drops "
+        "whole utterances from independent windows (measured: 21-30% of words lost).",
+    ),
+]
+BatchSizeOpt = Annotated[int, typer.Option(min=1, help="Windows decoded together.")]
+MaxNewTokensOpt = Annotated[int, typer.Option(min=1, help="Tokens per 30 s window.")]
+InitialPromptOpt = Annotated[
+    str | None, typer.Option(help="Text that conditions every window (names, terms).")
+]
+ChannelOpt = Annotated[
+    str | None, typer.Option(help="left, right or a channel index; default: down-mix.")
+]
+FormatOpt = Annotated[Format, typer.Option("--format", "-f", help="Output format.")]
+VadOpt = Annotated[
+    bool,
+    typer.Option(
+        help="Decode only where the speech detector (Silero VAD) hears speech. "
+        "--no-vad decodes every window, for audio that defeats the detector.",
+    ),
+]
+VadThresholdOpt = Annotated[
+    float, typer.Option(min=0.01, max=0.99, help="Speech probability that starts speech.")
+]
+TEMPERATURES = ",".join(f"{t:g}" for t in Policy.temperatures)
+TemperatureOpt = Annotated[
+    str,
+    typer.Option(
+        help="Temperatures tried in turn on a window that fails the checks below: "
+        "one value, or a comma list as openai-whisper's (0 = greedy only).",
+    ),
+]
+NoSpeechOpt = Annotated[
+    float, typer.Option(help="No-speech probability above which a window may be silence.")
+]
+LogprobOpt = Annotated[
+    float, typer.Option(help="Average log-prob below which a window falls back.")
+]
+CompressionOpt = Annotated[
+    float, typer.Option(help="gzip ratio above which a window falls back (repetitive).")
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs.")]
+DebugOpt = Annotated[bool, typer.Option(help="Show tracebacks.")]
 
 
 def _stderr(message: str) -> None:
@@ -93,11 +146,11 @@ def _fail(exc: WhisperCliError, debug: bool) -> typer.Exit:
 
 def _load(model: str | None, dtype: Dtype, device: str, quiet: bool):
     from whisper_cli.dtypes import resolve_policy
-    from whisper_cli.loading import load_model
+    from whisper_cli.loading import default_model, load_model
 
     policy = resolve_policy(dtype.value, device)
     if model is None:
-        model = "turbo" if policy.device.type == "cuda" else "base"
+        model = default_model(policy.device.type)
     started = time.perf_counter()
     loaded = load_model(model, policy)
     if not quiet:
@@ -112,37 +165,43 @@ def _use_compile(choice: Compile, device_type: str) -> bool:
     return choice == Compile.on or (choice == Compile.auto and device_type == "cuda")
 
 
+def _options(a: dict, device_type: str):
+    """TranscribeOptions from the transcription options of `transcribe` or `batch`."""
+    from whisper_cli.pipeline import TranscribeOptions
+
+    channel = a["channel"]
+    if channel is not None and channel.isdigit():
+        channel = int(channel)
+    return TranscribeOptions(
+        language=a["language"],
+        multilingual=a["multilingual"],
+        task=a["task"].value,
+        timestamps=a["timestamps"],
+        batch_size=a["batch_size"],
+        max_new_tokens=a["max_new_tokens"],
+        initial_prompt=a["initial_prompt"],
+        channel=channel,
+        compile=_use_compile(a["compile"], device_type),
+        vad=a["vad"],
+        policy=_policy(a),
+    )
+
+
 @app.command()
 def transcribe(
     inputs: Annotated[list[str], typer.Argument(help="Audio files, directories, or - for stdin.")],
     model: ModelOpt = None,
     dtype: DtypeOpt = Dtype.auto,
     device: DeviceOpt = "auto",
-    language: Annotated[
-        str | None, typer.Option("--language", "-l", help="Language code; default: detect.")
-    ] = None,
-    multilingual: Annotated[
-        bool, typer.Option(help="Detect the language of every 30 s window, not once per file.")
-    ] = False,
-    task: Annotated[Task, typer.Option(help="transcribe, or translate to English.")] = (
-        Task.transcribe
-    ),
-    timestamps: Annotated[
-        bool,
-        typer.Option(
-            help="Decode with timestamps (default). --no-timestamps is faster but drops "
-            "whole utterances from independent windows (measured: 21-30% of words lost).",
-        ),
-    ] = True,
-    batch_size: Annotated[int, typer.Option(min=1, help="Windows decoded together.")] = 16,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens per 30 s window.")] = 224,
-    initial_prompt: Annotated[
-        str | None, typer.Option(help="Text that conditions every window (names, terms).")
-    ] = None,
-    channel: Annotated[
-        str | None, typer.Option(help="left, right or a channel index; default: down-mix.")
-    ] = None,
-    fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.txt,
+    language: LanguageOpt = None,
+    multilingual: MultilingualOpt = False,
+    task: TaskOpt = Task.transcribe,
+    timestamps: TimestampsOpt = True,
+    batch_size: BatchSizeOpt = 16,
+    max_new_tokens: MaxNewTokensOpt = 224,
+    initial_prompt: InitialPromptOpt = None,
+    channel: ChannelOpt = None,
+    fmt: FormatOpt = Format.txt,
     output_dir: Annotated[
         Path | None, typer.Option("--output-dir", "-o", help="Write DIR/<stem>.<ext> files.")
     ] = None,
@@ -153,35 +212,15 @@ def transcribe(
         bool, typer.Option(help="Skip inputs whose outputs exist in --output-dir.")
     ] = False,
     compile: CompileOpt = Compile.auto,
-    vad: Annotated[
-        bool,
-        typer.Option(
-            help="Decode only where the speech detector (Silero VAD) hears speech. "
-            "--no-vad decodes every window, for audio that defeats the detector.",
-        ),
-    ] = True,
-    vad_threshold: Annotated[
-        float, typer.Option(min=0.01, max=0.99, help="Speech probability that starts speech.")
-    ] = Policy.vad_threshold,
-    temperature: Annotated[
-        str,
-        typer.Option(
-            help="Temperatures tried in turn on a window that fails the checks below: "
-            "one value, or a comma list as openai-whisper's (0 = greedy only).",
-        ),
-    ] = ",".join(f"{t:g}" for t in Policy.temperatures),
-    no_speech_threshold: Annotated[
-        float, typer.Option(help="No-speech probability above which a window may be silence.")
-    ] = Policy.no_speech_threshold,
-    logprob_threshold: Annotated[
-        float, typer.Option(help="Average log-prob below which a window falls back.")
-    ] = Policy.logprob_threshold,
-    compression_ratio_threshold: Annotated[
-        float, typer.Option(help="gzip ratio above which a window falls back (repetitive).")
-    ] = Policy.compression_ratio_threshold,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs.")] = False,
+    vad: VadOpt = True,
+    vad_threshold: VadThresholdOpt = Policy.vad_threshold,
+    temperature: TemperatureOpt = TEMPERATURES,
+    no_speech_threshold: NoSpeechOpt = Policy.no_speech_threshold,
+    logprob_threshold: LogprobOpt = Policy.logprob_threshold,
+    compression_ratio_threshold: CompressionOpt = Policy.compression_ratio_threshold,
+    quiet: QuietOpt = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print segments.")] = False,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+    debug: DebugOpt = False,
 ) -> None:
     """Transcribe audio files (any format, any length) to text, subtitles or JSON."""
     try:
@@ -210,30 +249,11 @@ def _transcribe(**a) -> int:
         paths = [p for p in paths if p not in skipped]
         if skipped and not a["quiet"]:
             _stderr(f"whisper-cli: skipping {len(skipped)} input(s) with existing outputs")
-    channel = a["channel"]
-    if channel is not None and channel.isdigit():
-        channel = int(channel)
-
-    policy = _policy(a)
+    _policy(a)  # a usage error before the model loads
     loaded = _load(a["model"], a["dtype"], a["device"], a["quiet"])
-    from whisper_cli.pipeline import TranscribeOptions, Transcriber
+    from whisper_cli.pipeline import Transcriber
 
-    transcriber = Transcriber(
-        loaded,
-        TranscribeOptions(
-            language=a["language"],
-            multilingual=a["multilingual"],
-            task=a["task"].value,
-            timestamps=a["timestamps"],
-            batch_size=a["batch_size"],
-            max_new_tokens=a["max_new_tokens"],
-            initial_prompt=a["initial_prompt"],
-            channel=channel,
-            compile=_use_compile(a["compile"], loaded.policy.device.type),
-            vad=a["vad"],
-            policy=policy,
-        ),
-    )
+    transcriber = Transcriber(loaded, _options(a, loaded.policy.device.type))
     failures = 0
     for err in input_errors:
         _stderr(f"whisper-cli: error: {err.message}")
@@ -317,6 +337,174 @@ class _progress:
     def update(self, p) -> None:
         rtfx = p.audio_done / p.elapsed if p.elapsed > 0 else 0.0
         self.bar.update(self.task, completed=p.audio_done, total=p.audio_total or None, rtfx=rtfx)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+class Engine(str, Enum):
+    local = "local"
+    ray = "ray"
+
+
+@app.command()
+def batch(
+    manifest: Annotated[
+        str,
+        typer.Argument(
+            help="A directory (searched recursively), a text file of paths, or JSONL with "
+            '"path" and optional "language"/"task"; a local path or an fsspec URL.'
+        ),
+    ],
+    output_dir: Annotated[
+        Path,
+        typer.Option(
+            "--output-dir", "-o", help="Write DIR/<stem>.<ext> files and DIR/summary.jsonl."
+        ),
+    ],
+    engine: Annotated[
+        Engine, typer.Option(help="local: in this process; ray: Ray Data actors.")
+    ] = Engine.local,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="auto or HOST:PORT of a running cluster; default: a local one."),
+    ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Ray actors, each loading the model once; default: one per G GPUs of the "
+            "cluster, or one per node without GPUs.",
+        ),
+    ] = None,
+    gpus_per_worker: Annotated[
+        float | None,
+        typer.Option(
+            min=0, help="G: GPUs per actor (0.5: two share one); default 1 where there are GPUs."
+        ),
+    ] = None,
+    shard: Annotated[
+        str | None,
+        typer.Option(help="I/N: only part I of N (0-based) of the manifest, stable by path."),
+    ] = None,
+    model: ModelOpt = None,
+    dtype: DtypeOpt = Dtype.auto,
+    device: DeviceOpt = "auto",
+    language: LanguageOpt = None,
+    multilingual: MultilingualOpt = False,
+    task: TaskOpt = Task.transcribe,
+    timestamps: TimestampsOpt = True,
+    batch_size: BatchSizeOpt = 16,
+    max_new_tokens: MaxNewTokensOpt = 224,
+    initial_prompt: InitialPromptOpt = None,
+    channel: ChannelOpt = None,
+    fmt: FormatOpt = Format.txt,
+    compile: CompileOpt = Compile.auto,
+    vad: VadOpt = True,
+    vad_threshold: VadThresholdOpt = Policy.vad_threshold,
+    temperature: TemperatureOpt = TEMPERATURES,
+    no_speech_threshold: NoSpeechOpt = Policy.no_speech_threshold,
+    logprob_threshold: LogprobOpt = Policy.logprob_threshold,
+    compression_ratio_threshold: CompressionOpt = Policy.compression_ratio_threshold,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Transcribe a manifest into a directory: resumable, shardable, locally or on Ray."""
+    try:
+        code = _batch(**locals())
+    except WhisperCliError as exc:
+        raise _fail(exc, debug) from None
+    except KeyboardInterrupt:
+        _stderr("whisper-cli: interrupted; finished outputs are complete: run again to resume")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    raise typer.Exit(code)
+
+
+def _batch(**a) -> int:
+    from whisper_cli.batch import BatchConfig, parse_shard, run_batch
+
+    config = BatchConfig(
+        manifest=a["manifest"],
+        output_dir=a["output_dir"],
+        fmt=a["fmt"].value,
+        model=a["model"],
+        dtype=a["dtype"].value,
+        device=a["device"],
+        engine=a["engine"].value,
+        ray_address=a["ray_address"],
+        workers=a["workers"],
+        gpus_per_worker=a["gpus_per_worker"],
+        shard=parse_shard(a["shard"]) if a["shard"] is not None else None,
+    )
+    quiet = a["quiet"]
+
+    def on_record(record) -> None:
+        _check_interrupt()
+        if record.status == "failed":
+            _stderr(f"whisper-cli: error: {record.error}")
+
+    def log(message: str) -> None:
+        if not quiet:
+            _stderr(f"whisper-cli: {message}")
+
+    with _batch_progress(quiet) as on_progress:
+        report = run_batch(
+            config, lambda device_type: _options(a, device_type), on_record, on_progress, log
+        )
+    _check_interrupt()
+    log(
+        f"{report.processed - report.failed} written, {report.failed} failed, "
+        f"{report.skipped} already done; summary: {report.summary}"
+    )
+    return EXIT_INPUT_FAILED if report.failed else EXIT_OK
+
+
+class _batch_progress:
+    """Inputs done / total, audio hours and RTFx on stderr: a bar on a terminal, else lines."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.bar = None
+
+    def __enter__(self):
+        if self.quiet:
+            return None
+        if not sys.stderr.isatty():
+            return self.line
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.bar = Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("inputs, {task.fields[hours]:.2f} h audio, RTFx {task.fields[rtfx]:.1f}"),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self.bar.start()
+        self.task = self.bar.add_task("transcribing", total=None, hours=0.0, rtfx=0.0)
+        return self.update
+
+    @staticmethod
+    def _rtfx(p) -> float:
+        return p.audio_seconds / p.elapsed if p.elapsed > 0 else 0.0
+
+    def line(self, p) -> None:
+        _stderr(
+            f"whisper-cli: {p.done}/{p.total} inputs ({p.failed} failed), "
+            f"{p.audio_seconds / 3600:.2f} h audio, RTFx {self._rtfx(p):.1f}"
+        )
+
+    def update(self, p) -> None:
+        self.bar.update(
+            self.task,
+            completed=p.done,
+            total=p.total,
+            hours=p.audio_seconds / 3600,
+            rtfx=self._rtfx(p),
+        )
 
     def __exit__(self, *exc) -> None:
         if self.bar is not None:

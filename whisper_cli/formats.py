@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import math
 import os
@@ -69,6 +70,12 @@ def write_atomic(path: Path, content: str) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp_name)
         raise
+
+
+def temp_files(path: Path) -> list[Path]:
+    """Temp files of ``write_atomic(path, ...)`` left by a process killed while writing."""
+    path = Path(path)
+    return sorted(path.parent.glob(f"{glob.escape('.' + path.name)}.*.tmp"))
 
 
 # --- format checks and file helpers -------------------------------------------------------

@@ -1,0 +1,419 @@
+"""`whisper-cli batch`: manifests, shards, resuming, faults, and the Ray engine.
+
+The local-engine tests run in-process on the session's models (`cached_cli_models`). The
+Ray tests share one local cluster (`ray.init(num_cpus=2, include_dashboard=False)`) whose
+CPU actors load models/tiny.en themselves; every good input's outputs must equal those
+of `whisper-cli transcribe` on the same file, byte for byte (JSON without its timings).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+from util import IN_CI, real_model, shared_clip
+
+from whisper_cli.batch import (
+    BatchConfig,
+    Item,
+    parse_shard,
+    read_manifest,
+    run_batch,
+    shard_items,
+)
+from whisper_cli.cli import app
+from whisper_cli.errors import WhisperCliError
+from whisper_cli.formats import FORMATS
+from whisper_cli.pipeline import TranscribeOptions
+
+# Ray Data reads its own deprecated settings when it copies its context.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")
+
+CLIPS = ("jfk.flac", "stereo_diarization.wav", "hotwords.mp3", "multilingual.mp3")
+
+
+def cli(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def tiny() -> str:
+    return str(real_model("tiny.en"))
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared clips and one corrupt file, as a text manifest of absolute paths."""
+    folder = tmp_path_factory.mktemp("manifest")
+    corrupt = folder / "corrupt.wav"
+    corrupt.write_bytes(b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(range(256)) * 8)
+    paths = [str(shared_clip(name)) for name in CLIPS] + [str(corrupt)]
+    path = folder / "inputs.txt"
+    path.write_text("".join(f"{p}\n" for p in paths))
+    return path
+
+
+@pytest.fixture(scope="module")
+def transcribed(manifest: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`whisper-cli transcribe GOOD_FILES --format all -o DIR` (the outputs to match).
+
+    One run for all files: an input's outputs do not depend on which other inputs share
+    its batches (test_cli and test_reliability compare runs of one and several inputs).
+    """
+    out = tmp_path_factory.mktemp("transcribed")
+    good = manifest_paths(manifest)[:-1]
+    result = cli("transcribe", *good, "-m", tiny(), "-f", "all", "-o", str(out), "-q")
+    assert result.exit_code == 0, result.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_run(manifest: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`whisper-cli batch MANIFEST --format all` with the local engine."""
+    out = tmp_path_factory.mktemp("local") / "out"
+    result = cli("batch", str(manifest), "-o", str(out), "-m", tiny(), "-f", "all")
+    return result, out
+
+
+def manifest_paths(manifest: Path) -> list[str]:
+    return manifest.read_text().split()
+
+
+def summary(out: Path, name: str = "summary.jsonl") -> dict[str, dict]:
+    lines = (out / name).read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert len({r["path"] for r in records}) == len(records), "one line per input"
+    return {r["path"]: r for r in records}
+
+
+def comparable(path: Path) -> str | dict:
+    """A file's content; JSON and JSONL without the wall-clock timings."""
+    text = path.read_text()
+    if path.suffix in (".json", ".jsonl"):
+        data = json.loads(text)
+        data.pop("timings")
+        return data
+    return text
+
+
+def outputs(out: Path) -> dict[str, str | dict]:
+    return {
+        p.name: comparable(p) for p in sorted(out.iterdir()) if not p.name.startswith("summary")
+    }
+
+
+def assert_written_like_transcribe(out: Path, transcribed: Path, paths: list[str]) -> None:
+    """Every file's outputs as `whisper-cli transcribe FILE --format all` writes them."""
+    for path in paths:
+        for fmt in FORMATS:
+            name = f"{Path(path).stem}.{fmt}"
+            assert comparable(out / name) == comparable(transcribed / name), name
+
+
+def assert_no_partial_files(out: Path) -> None:
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")], "temp files left"
+
+
+# --- manifests and shards --------------------------------------------------------------
+
+
+def test_manifest_kinds(tmp_path: Path) -> None:
+    (tmp_path / "audio" / "sub").mkdir(parents=True)
+    for name in ("b.wav", "sub/a.flac", "notes.txt"):
+        (tmp_path / "audio" / name).write_bytes(b"")
+    found = read_manifest(str(tmp_path / "audio"))
+    assert [it.key for it in found] == ["b.wav", "sub/a.flac"]  # recursive, audio only
+    assert found[1].path == str(tmp_path / "audio" / "sub" / "a.flac")
+
+    text = tmp_path / "list.txt"
+    text.write_text("# clips\nx.wav\n\n/abs/y.mp3\nx.wav\ns3://bucket/z.flac\n")
+    with pytest.raises(WhisperCliError, match="s3fs"):
+        read_manifest(str(text))  # the s3 filesystem package is not installed here
+    text.write_text("# clips\nx.wav\n\n/abs/y.mp3\nx.wav\n")
+    assert [it.path for it in read_manifest(str(text))] == [str(tmp_path / "x.wav"), "/abs/y.mp3"]
+
+    jsonl = tmp_path / "list.jsonl"
+    jsonl.write_text(
+        '{"path": "a.wav", "language": "de", "task": "translate", "ref": "..."}\n'
+        '{"path": "b.wav"}\n'
+    )
+    assert read_manifest(str(jsonl)) == [
+        Item(str(tmp_path / "a.wav"), "a.wav", "de", "translate"),
+        Item(str(tmp_path / "b.wav"), "b.wav"),
+    ]
+    jsonl.write_text('{"path": "a.wav"}\n{"path": "b.wav", "task": "summarise"}\n')
+    with pytest.raises(WhisperCliError, match=r"line 2: invalid task 'summarise'"):
+        read_manifest(str(jsonl))
+    jsonl.write_text('{"path": "a.wav"}\n{"file": "b.wav"}\n')
+    with pytest.raises(WhisperCliError, match=r'line 2: expected an object with a "path"'):
+        read_manifest(str(jsonl))
+
+
+def test_shards_are_disjoint_and_cover_the_manifest(tmp_path: Path) -> None:
+    items = [Item(f"/data/{i}.wav", f"{i}.wav") for i in range(500)]
+    for count in (1, 3, 8):
+        shards = [shard_items(items, (i, count)) for i in range(count)]
+        keys = [it.key for shard in shards for it in shard]
+        assert sorted(keys) == sorted(it.key for it in items)  # disjoint and covering
+        assert all(len(s) > 500 / count / 2 for s in shards)  # no shard left (nearly) empty
+        # Stable: by name, whatever the order or the folder the manifest is read from.
+        moved = [Item(f"/mnt{it.path}", it.key) for it in reversed(items)]
+        assert [{it.key for it in shard_items(moved, (i, count))} for i in range(count)] == [
+            {it.key for it in s} for s in shards
+        ]
+    assert parse_shard("2/4") == (2, 4)
+    for bad in ("4/4", "1", "-1/3", "a/b", "0/0"):
+        with pytest.raises(WhisperCliError, match="--shard"):
+            parse_shard(bad)
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_shard_runs_into_one_directory(tmp_path: Path) -> None:
+    """Two shard jobs into one directory: each its own summary, together the manifest."""
+    manifest = tmp_path / "m.txt"
+    names = [f"{tmp_path}/missing{i}.wav" for i in range(12)]  # fail fast: no decoding
+    manifest.write_text("\n".join(names))
+    out = tmp_path / "out"
+    parts = []
+    for i in range(2):
+        result = cli("batch", str(manifest), "-o", str(out), "-m", tiny(), "--shard", f"{i}/2")
+        assert result.exit_code == 1, result.stderr
+        parts.append(set(summary(out, f"summary.{i}-of-2.jsonl")))
+    assert parts[0] and parts[1] and not parts[0] & parts[1]
+    assert parts[0] | parts[1] == set(names)
+    assert not (out / "summary.jsonl").exists()
+
+
+# --- the local engine ------------------------------------------------------------------
+
+
+def test_local_engine_writes_like_transcribe(manifest: Path, transcribed: Path, local_run) -> None:
+    result, out = local_run
+    assert result.exit_code == 1, result.stderr  # the corrupt input failed, alone
+    *good, corrupt = manifest_paths(manifest)
+    assert f"whisper-cli: error: {corrupt}: " in result.stderr
+    assert "4 written, 1 failed" in result.stderr
+    records = summary(out)
+    assert list(records) == manifest_paths(manifest)  # in manifest order
+    assert records[corrupt]["status"] == "failed" and corrupt in records[corrupt]["error"]
+    for path in good:
+        r = records[path]
+        assert (r["status"], r["error"], r["language"]) == ("ok", None, "en"), r
+        assert r["duration"] > 3 and r["wall"] > 0
+    assert_written_like_transcribe(out, transcribed, good)
+    assert_no_partial_files(out)
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_local_engine_resumes(manifest: Path, local_run, tmp_path: Path) -> None:
+    """A second run redoes only what is missing: here the corrupt input, failed again."""
+    _, done = local_run
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    (out / "jfk.srt").unlink()  # as if killed between jfk's formats
+    (out / ".jfk.srt.abc123.tmp").write_text("1\n00:00")  # and while writing one
+    before = summary(out)
+    again = cli("batch", str(manifest), "-o", str(out), "-m", tiny(), "-f", "all")
+    assert again.exit_code == 1
+    assert "3 of 5 input(s) already done, 2 to transcribe" in again.stderr
+    after = summary(out)
+    jfk = str(shared_clip("jfk.flac"))
+    assert {p: r for p, r in after.items() if p != jfk} == {
+        p: r for p, r in before.items() if p != jfk
+    }
+    assert (
+        after[jfk]["status"] == "ok"
+        and (out / "jfk.srt").read_text() == (done / "jfk.srt").read_text()
+    )
+    assert_no_partial_files(out)
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_per_input_language_and_task(tmp_path: Path) -> None:
+    """JSONL options: an input that asks tiny.en to translate fails alone, with the reason."""
+    jfk = str(shared_clip("jfk.flac"))
+    copy = tmp_path / "copy" / "jfk2.flac"
+    copy.parent.mkdir()
+    shutil.copy(jfk, copy)
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(
+        json.dumps({"path": jfk, "language": "en"})
+        + "\n"
+        + json.dumps({"path": str(copy), "task": "translate"})
+        + "\n"
+    )
+    out = tmp_path / "out"
+    result = cli("batch", str(manifest), "-o", str(out), "-m", tiny())
+    assert result.exit_code == 1
+    records = summary(out)
+    assert records[jfk]["status"] == "ok"
+    assert records[str(copy)]["status"] == "failed"
+    assert "English-only model; it cannot translate" in records[str(copy)]["error"]
+    assert (out / "jfk.txt").exists() and not (out / "jfk2.txt").exists()
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_fsspec_urls(tmp_path: Path) -> None:
+    """A manifest and inputs behind URLs (fsspec's memory filesystem), read into the worker."""
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/clips/jfk.flac", shared_clip("jfk.flac").read_bytes())
+    fs.pipe("/clips/list.txt", b"jfk.flac\nmissing.flac\n")
+    out = tmp_path / "out"
+    result = cli("batch", "memory://clips/list.txt", "-o", str(out), "-m", tiny(), "-f", "json")
+    assert result.exit_code == 1, result.stderr
+    records = summary(out)
+    assert records["memory://clips/jfk.flac"]["status"] == "ok"
+    assert (
+        "memory://clips/missing.flac: cannot read"
+        in records["memory://clips/missing.flac"]["error"]
+    )
+    written = json.loads((out / "jfk.json").read_text())
+    assert written["path"] == "memory://clips/jfk.flac"
+    assert "ask not what your country can do for you" in written["text"]
+
+    result = cli("batch", "s3://bucket/list.txt", "-o", str(out), "-m", tiny())
+    assert result.exit_code == 2
+    assert "s3fs" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_usage_errors(manifest: Path, tmp_path: Path, monkeypatch) -> None:
+    out = str(tmp_path / "out")
+    result = cli("batch", str(manifest), "-o", out, "--workers", "2")
+    assert result.exit_code == 2 and "need --engine ray" in result.stderr
+    result = cli("batch", str(tmp_path / "nowhere.txt"), "-o", out)
+    assert result.exit_code == 2 and "cannot read manifest" in result.stderr
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    result = cli("batch", str(manifest), "-o", out, "--engine", "ray")
+    assert result.exit_code == 2 and "pip install 'whisper-cli[ray]'" in result.stderr
+
+
+# --- the Ray engine ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local two-CPU cluster, shared by the Ray tests (the batch runs reuse it)."""
+    if IN_CI:
+        import ray
+    else:
+        ray = pytest.importorskip("ray", reason="pip install 'whisper-cli[ray]'")
+    import os
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="error")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.slow  # ~40 s on an idle 2-core machine: two runs of fresh actors
+def test_ray_engine(ray_cluster, manifest: Path, transcribed: Path, local_run, tmp_path) -> None:
+    """Same outputs as transcribe and the local engine; interrupted, then resumed."""
+    *good, corrupt = manifest_paths(manifest)
+    out = tmp_path / "ray"
+
+    # Interrupted after the first input is written (as Ctrl-C stops the CLI's callbacks),
+    # one input per Ray batch.
+    def stop(record) -> None:
+        if record.status == "ok":
+            raise KeyboardInterrupt
+
+    config = BatchConfig(str(manifest), out, "all", tiny(), engine="ray")
+    with pytest.raises(KeyboardInterrupt):
+        run_batch(config, lambda device: TranscribeOptions(batch_size=1), stop)
+    assert_no_partial_files(out)
+    complete = {p for p in good if all((out / f"{Path(p).stem}.{f}").exists() for f in FORMATS)}
+    assert 1 <= len(complete) < len(good), complete
+    written = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.stem != "summary"}
+
+    result = cli(
+        "batch", str(manifest), "-o", str(out), "-m", tiny(), "-f", "all", "--engine", "ray"
+    )
+    assert result.exit_code == 1, result.stderr
+    missing = len(good) + 1 - len(complete)
+    assert f"{len(complete)} of 5 input(s) already done, {missing} to transcribe" in result.stderr
+    assert f"{missing - 1} written, 1 failed" in result.stderr
+    records = summary(out)
+    assert list(records) == manifest_paths(manifest)
+    assert records[corrupt]["status"] == "failed"
+    assert {p for p in good if records[p]["status"] == "ok"} | complete == set(good)
+    for name, mtime in written.items():
+        if name.split(".")[0] in {Path(p).stem for p in complete}:
+            assert (out / name).stat().st_mtime_ns == mtime, f"{name} was written again"
+    assert_no_partial_files(out)
+    assert_written_like_transcribe(out, transcribed, good)
+
+    _, local = local_run
+    assert outputs(local) == outputs(out)
+    assert summary(local)[corrupt] == records[corrupt]
+
+
+def test_ray_worker_that_cannot_start_is_a_run_level_error(ray_cluster, manifest, tmp_path):
+    """The actors' model load fails: exit 2 with the loader's own message, no traceback."""
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    out = tmp_path / "out"
+    result = cli("batch", str(manifest), "-o", str(out), "-m", str(not_a_model), "--engine", "ray")
+    assert result.exit_code == 2, result.stderr
+    assert f"error: model directory {not_a_model} is missing config.json" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert summary(out) == {}  # nothing was done, nothing is claimed
+
+
+def our_ray_actors() -> list[int]:
+    """Pids of the map actors of the cluster this process started (raylet's children)."""
+
+    def parent(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            pid = int(entry.name)
+            if cmdline.startswith(b"ray::MapWorker") and os.getpid() in (
+                parent(pid),
+                parent(parent(pid)),
+            ):
+                found.append(pid)
+        except (ValueError, OSError):
+            continue
+    return found
+
+
+@pytest.mark.slow  # ~30 s: a second actor starts and loads the model
+def test_ray_actor_killed_mid_run_is_restarted(ray_cluster, manifest, transcribed, tmp_path):
+    """SIGKILL the actor once an input is written: Ray restarts it and retries its batch."""
+    *good, corrupt = manifest_paths(manifest)
+    out = tmp_path / "out"
+    killed: list[int] = []
+
+    def kill_the_actor() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed:
+            if out.is_dir() and any(p.suffix == ".tsv" for p in out.iterdir()):
+                for pid in our_ray_actors():
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=kill_the_actor, daemon=True)
+    killer.start()
+    args = ["batch", str(manifest), "-o", str(out), "-m", tiny(), "-f", "all"]
+    result = cli(*args, "--engine", "ray", "--batch-size", "1")
+    killer.join(timeout=1)
+    assert killed, "no actor was killed"
+    assert result.exit_code == 1, result.stderr
+    records = summary(out)
+    assert list(records) == manifest_paths(manifest)
+    assert [records[p]["status"] for p in good] == ["ok"] * len(good)
+    assert records[corrupt]["status"] == "failed"
+    assert_written_like_transcribe(out, transcribed, good)
+    assert_no_partial_files(out)
