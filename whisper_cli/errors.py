@@ -7,6 +7,7 @@ EXIT_OK = 0
 EXIT_INPUT_FAILED = 1  # one or more inputs failed; the others completed
 EXIT_USAGE = 2  # run-level error before any work started
 EXIT_INTERRUPTED = 130  # SIGINT
+EXIT_BROKEN_PIPE = 141  # stdout closed by its reader (`| head`): 128 + SIGPIPE, as `cat` exits
 
 
 class WhisperCliError(Exception):
@@ -29,3 +30,13 @@ class InputError(WhisperCliError):
         super().__init__(f"{path}: {problem}", exit_code=EXIT_INPUT_FAILED)
         self.path = path
         self.problem = problem
+
+
+class WhisperCliWarning(RuntimeWarning):
+    """Something the user should know about a run that still succeeds (the CLI prints
+    each as one ``whisper-cli: warning:`` line; ``--quiet`` hides them)."""
+
+
+class DecoderMessage(WhisperCliWarning):
+    """What a C decoder (libmpg123, FFmpeg) printed while reading an input that then
+    decoded fine; the CLI shows these only with ``--verbose``."""
