@@ -48,6 +48,7 @@ class DecodedRow:
     no_speech_prob: float
     language: str | None
     looped: bool = False  # stopped by the repetition guard
+    hit_max_tokens: bool = False  # used all of max_new_tokens without ending
     # Where the model would have ended but was kept going (open_after), -1 if nowhere, and
     # the average log-prob of the tokens from there on (end-of-text counted).
     continued_at: int = -1
@@ -237,6 +238,7 @@ class GreedyDecoder:
                     no_speech_prob=float(no_speech[r]),
                     language=languages[r],
                     looped=cut >= 0,
+                    hit_max_tokens=cut < 0 and eot not in seq,
                     continued_at=at,
                     continued_logprob=after / (n + 1 - at) if at >= 0 else 0.0,
                 )

@@ -84,17 +84,32 @@ class _Input:
     language: LanguageGuess | None = None
     segments: list[Segment] = field(default_factory=list)
     pending: int = 0  # windows cut or queued but not decoded yet
+    windows: int = 0  # windows cut so far
+    # Text the guards or limits cut, reported as the transcript's notes (see _notes).
+    hit_max_tokens: int = 0  # windows that used all of max_new_tokens without ending
+    looped: int = 0  # windows stopped by the repetition guard
+    too_repetitive: int = 0  # segments dropped above compression_ratio_threshold
     cut_done: bool = False  # the last window of this input has been cut
     started: float = field(default_factory=time.perf_counter)
 
 
-def validate_options(loaded: LoadedModel, options: TranscribeOptions) -> None:
-    """Run-level checks, before any work starts."""
-    tokenizer = loaded.tokenizer
+def check_options(options: TranscribeOptions) -> None:
+    """Run-level checks that need no model (the CLI makes them before loading one)."""
     if options.task not in TASKS:
         raise WhisperCliError(f"invalid task {options.task!r}; choose transcribe or translate")
     if options.batch_size < 1:
         raise WhisperCliError("--batch-size must be at least 1")
+    if options.language is not None and options.multilingual:
+        raise WhisperCliError(
+            f"--multilingual detects the language of every window; it contradicts "
+            f"--language {options.language}"
+        )
+
+
+def validate_options(loaded: LoadedModel, options: TranscribeOptions) -> None:
+    """Run-level checks, before any work starts."""
+    check_options(options)
+    tokenizer = loaded.tokenizer
     if options.language is not None:
         if not tokenizer.is_multilingual and options.language != "en":
             raise WhisperCliError(
@@ -103,6 +118,10 @@ def validate_options(loaded: LoadedModel, options: TranscribeOptions) -> None:
             )
         if tokenizer.is_multilingual:
             tokenizer.language_id(options.language)
+    if not tokenizer.is_multilingual and options.multilingual:
+        raise WhisperCliError(
+            f"{loaded.name} is an English-only model; --multilingual needs a multilingual one"
+        )
     if not tokenizer.is_multilingual and options.task == "translate":
         raise WhisperCliError(f"{loaded.name} is an English-only model; it cannot translate")
 
@@ -157,21 +176,28 @@ class Transcriber:
 
     def run(
         self,
-        paths: Iterable[str],
+        paths: Iterable[str | AudioSource],
         on_result: Callable[[Transcript], None],
         on_error: Callable[[InputError], None],
         on_progress: Callable[[Progress], None] | None = None,
         stdin=None,
     ) -> None:
-        """Transcribe every path; each result or per-input error is reported as it happens."""
+        """Transcribe every path; each result or per-input error is reported as it happens.
+
+        An input may also be an AudioSource already opened (and so validated) by the caller.
+        """
         inputs: list[_Input] = []
         for path in paths:
             try:
-                source = open_audio(path, channel=self.options.channel, stdin=stdin)
+                source = (
+                    path
+                    if isinstance(path, AudioSource)
+                    else open_audio(path, channel=self.options.channel, stdin=stdin)
+                )
             except InputError as exc:
                 on_error(exc)
                 continue
-            inputs.append(_Input(len(inputs), path, source))
+            inputs.append(_Input(len(inputs), source.info.path, source))
         total = sum(i.source.info.duration or 0.0 for i in inputs)
         started = time.perf_counter()
         done_audio = 0.0
@@ -205,6 +231,7 @@ class Transcriber:
                     # (not only when a later batch happens to hold one of its windows).
                     following = next(windows, None)
                     item.pending += 1
+                    item.windows += 1
                     item.duration = window.end
                     item.cut_done = following is None
                     yield window
@@ -269,6 +296,8 @@ class Transcriber:
             duration = len(window.audio) / SAMPLE_RATE
             if self._is_silent(row.no_speech_prob, row.avg_logprob, row.tokens):
                 continue
+            item.hit_max_tokens += row.hit_max_tokens
+            item.looped += row.looped
             tokens = row.tokens
             if row.continued_at >= 0:
                 tokens = tokens[: self._continued_end(row, duration)]
@@ -281,11 +310,13 @@ class Transcriber:
                 no_speech_prob=row.no_speech_prob,
                 language=row.language,
             )
-            item.segments.extend(
+            kept = [
                 s
                 for s in segments
                 if s.compression_ratio <= self.options.compression_ratio_threshold
-            )
+            ]
+            item.too_repetitive += len(segments) - len(kept)
+            item.segments.extend(kept)
 
     def _continued_end(self, row: DecodedRow, duration: float) -> int:
         """How many of the row's tokens are kept when it went on past its own end.
@@ -373,7 +404,28 @@ class Transcriber:
             model=self.loaded.name,
             dtype=dtype_name(self.loaded.policy.dtype),
             timings={"wall": round(time.perf_counter() - item.started, 3)},
+            notes=self._notes(item),
         )
+
+    def _notes(self, item: _Input) -> tuple[str, ...]:
+        """What the user should know was cut from this transcript (none: nothing was)."""
+        o, notes = self.options, []
+        if item.hit_max_tokens:
+            notes.append(
+                f"{item.hit_max_tokens} of {item.windows} window(s) reached --max-new-tokens "
+                f"{o.max_new_tokens} before their end; the text after that is missing"
+            )
+        if item.looped:
+            notes.append(
+                f"{item.looped} window(s) stopped by the repetition guard (the model was "
+                "repeating itself); the rest of those windows is missing"
+            )
+        if item.too_repetitive:
+            notes.append(
+                f"{item.too_repetitive} segment(s) dropped as repetitive (above "
+                f"--compression-ratio-threshold {o.compression_ratio_threshold:g})"
+            )
+        return tuple(notes)
 
 
 def open_after_timestamps(audio: np.ndarray, n_timestamps: int) -> np.ndarray:
