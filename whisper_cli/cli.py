@@ -134,7 +134,7 @@ InputsArg = Annotated[
     list[str],
     typer.Argument(
         help="Audio files (any format FFmpeg reads), directories, or - for stdin.",
-        metavar="AUDIO...",
+        metavar="AUDIO",
         show_default=False,
     ),
 ]
@@ -318,16 +318,16 @@ VerboseOpt = Annotated[
 ]
 DebugOpt = Annotated[
     bool,
-    typer.Option(metavar="", help="Show tracebacks.", rich_help_panel=PANEL_MESSAGES),
+    typer.Option("--debug", metavar="", help="Show tracebacks.", rich_help_panel=PANEL_MESSAGES),
 ]
 
 TRANSCRIBE_EXAMPLES = """[bold]Examples[/bold]
 
-  whisper-cli transcribe talk.mp3                       [dim]# text to stdout[/dim]
-  whisper-cli transcribe talk.mp3 -f srt > talk.srt     [dim]# subtitles[/dim]
-  whisper-cli transcribe calls/ -r -o out -f all        [dim]# a tree; out/ mirrors it[/dim]
-  curl -s URL | whisper-cli transcribe - -l German      [dim]# stdin, language given[/dim]
-  whisper-cli transcribe *.wav -f jsonl -q | jq .text   [dim]# one JSON line each[/dim]
+  whisper-cli transcribe talk.mp3                      [dim]# text to stdout[/dim]
+  whisper-cli transcribe talk.mp3 -f srt > talk.srt    [dim]# subtitles[/dim]
+  whisper-cli transcribe calls/ -r -o out -f all       [dim]# out/ mirrors calls/[/dim]
+  curl -s URL | whisper-cli transcribe - -l German     [dim]# from stdin[/dim]
+  whisper-cli transcribe *.wav -f jsonl -q | jq .text  [dim]# a JSON line each[/dim]
 """
 
 
