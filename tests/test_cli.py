@@ -787,3 +787,24 @@ def test_same_file_twice_is_transcribed_once_and_runs_end_with_a_summary(tmp_pat
     last = result.stderr.splitlines()[-1]
     assert re.fullmatch(r"whisper-cli: 2 written, 1 failed, 15 s of audio in [\d.]+ s", last)
     assert "written" not in transcribe(jfk(), "-m", tiny()).stderr  # one input: no summary
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_repetition_guard_cut_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real speech rarely loops with tiny.en; the decoder's flag is set on its real rows."""
+    import dataclasses
+
+    from whisper_cli.decoding import GreedyDecoder
+
+    real = GreedyDecoder.decode
+
+    def looping(self, *args, **kwargs):
+        return [dataclasses.replace(row, looped=True) for row in real(self, *args, **kwargs)]
+
+    monkeypatch.setattr(GreedyDecoder, "decode", looping)
+    result = transcribe(jfk(), "-m", tiny())
+    assert warning_lines(result.stderr) == [
+        f"whisper-cli: warning: {jfk()}: 1 window(s) stopped by the repetition guard (the "
+        "model was repeating itself); the rest of those windows is missing"
+    ]
+    assert "warning" not in transcribe(jfk(), "-m", tiny(), "-q").stderr

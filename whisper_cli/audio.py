@@ -25,6 +25,7 @@ import contextlib
 import io
 import os
 import re
+import signal
 import sys
 import tempfile
 import threading
@@ -104,7 +105,7 @@ class _Chatter:
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
-        with _Chatter._lock:
+        with _Chatter._lock, _interrupts_held():
             try:
                 saved = os.dup(2)
             except OSError:  # no fd 2 (stderr closed): nothing to capture
@@ -137,6 +138,28 @@ class _Chatter:
 
     def mark_reported(self) -> None:
         self._reported = len(self._text)
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Ctrl-C's Python handler held off while fd 2 is swapped, and run right after.
+
+    A KeyboardInterrupt raised between the swap and its undoing would leave fd 2 pointing
+    at the scratch file: every later message (the "interrupted" line too) would vanish.
+    Each capture is one decoder call (a few seconds of audio), so the delay is short.
+    """
+    handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+        yield
+        return
+    held: list[tuple[int, object]] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        if held:
+            handler(*held[0])
 
 
 @dataclass

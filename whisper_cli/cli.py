@@ -467,7 +467,8 @@ def _transcribe(a: dict[str, Any], term: _Terminal) -> int:
         raise WhisperCliError("stdin (-) can be given only once")
     expanded = expand_inputs(a["inputs"], a["recursive"])
     files = expanded.files
-    plan = OutputPlan.make(a["fmt"].value, a["output_dir"], files + expanded.errors)
+    n_inputs = len(files) + len(expanded.errors)
+    plan = OutputPlan.make(a["fmt"].value, a["output_dir"], files, n_inputs)
     plan.check_distinct([f.path for f in files])
     skipped = []
     if a["skip_existing"]:
@@ -737,9 +738,10 @@ def eval_command(
     from whisper_cli.evaluate import evaluate, render_table, report_to_json
 
     try:
-        report = evaluate(
-            manifest, model or "base", dtype.split(","), device=device, batch_size=batch_size
-        )
+        with _Terminal(quiet=False, verbose=False).session():
+            report = evaluate(
+                manifest, model or "base", dtype.split(","), device=device, batch_size=batch_size
+            )
     except WhisperCliError as exc:
         raise _fail(exc, debug) from None
     print(json.dumps(report_to_json(report), indent=2) if json_out else render_table(report))
@@ -786,7 +788,8 @@ def bench(
         device=device,
     )
     try:
-        report = run_bench(config, on_progress=_stderr)
+        with _Terminal(quiet=False, verbose=False).session():
+            report = run_bench(config, on_progress=_stderr)
     except WhisperCliError as exc:
         raise _fail(exc, debug) from None
     print(json.dumps(report_to_json(report), indent=2) if json_out else render_table(report))

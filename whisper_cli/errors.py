@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 # Exit codes shared by the CLI and the library's error kinds.
 EXIT_OK = 0
 EXIT_INPUT_FAILED = 1  # one or more inputs failed; the others completed
@@ -40,3 +42,7 @@ class WhisperCliWarning(RuntimeWarning):
 class DecoderMessage(WhisperCliWarning):
     """What a C decoder (libmpg123, FFmpeg) printed while reading an input that then
     decoded fine; the CLI shows these only with ``--verbose``."""
+
+
+# Decoder chatter is for debugging: hidden unless asked for (the CLI shows it with -v).
+warnings.filterwarnings("ignore", category=DecoderMessage)

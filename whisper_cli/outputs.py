@@ -28,8 +28,13 @@ class OutputPlan:
     created: list[Path] = field(default_factory=list)
 
     @classmethod
-    def make(cls, fmt: str, output_dir: Path | None, inputs: list[InputFile]) -> OutputPlan:
-        """Validate a --format / --output-dir combination (a usage error if impossible)."""
+    def make(
+        cls, fmt: str, output_dir: Path | None, inputs: list[InputFile], n_inputs: int
+    ) -> OutputPlan:
+        """Validate a --format / --output-dir combination (a usage error if impossible).
+
+        ``n_inputs`` counts every input argument, also those that already failed.
+        """
         formats = FORMATS if fmt == "all" else (fmt,)
         if fmt != "all" and fmt not in FORMATS:
             raise WhisperCliError(
@@ -40,13 +45,13 @@ class OutputPlan:
         if output_dir is None:
             if fmt == "all":
                 raise WhisperCliError("--format all writes several files: give --output-dir")
-            if len(inputs) > 1 and fmt not in STREAMABLE:
+            if n_inputs > 1 and fmt not in STREAMABLE:
                 raise WhisperCliError(
                     f"--format {fmt} for several inputs needs --output-dir "
                     f"(only {' and '.join(STREAMABLE)} can go to stdout together)"
                 )
         subdirs = {i.path: i.subdir for i in inputs}
-        return cls(formats, output_dir, len(inputs) > 1, subdirs)
+        return cls(formats, output_dir, n_inputs > 1, subdirs)
 
     def paths(self, input_path: str) -> list[Path]:
         assert self.output_dir is not None
@@ -101,7 +106,8 @@ class OutputPlan:
                 ) from exc
 
     def remove_created(self) -> None:
-        """Remove the folders prepare() created that are still empty (deepest first)."""
+        """Remove the folders prepare() created that are still empty (deepest first): a
+        run, or an input, that failed leaves no empty folder behind."""
         for folder in reversed(self.created):
             with contextlib.suppress(OSError):
                 folder.rmdir()
@@ -131,5 +137,4 @@ class OutputPlan:
             except OSError as exc:  # unwritable directory, disk full: the run cannot go on
                 raise WhisperCliError(f"cannot write {path}: {exc.strerror or exc}") from exc
             written.append(path)
-        self.created.clear()  # they hold a file now: never removed
         return written
