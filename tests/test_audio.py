@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import av
@@ -19,7 +20,7 @@ from util import REPO, shared_clip
 
 from whisper_cli import audio
 from whisper_cli.audio import SAMPLE_RATE, AudioInfo, load_audio, open_audio
-from whisper_cli.errors import InputError, WhisperCliError
+from whisper_cli.errors import DecoderMessage, InputError, WhisperCliError, WhisperCliWarning
 
 # --- helpers ------------------------------------------------------------------------------
 
@@ -266,14 +267,114 @@ def test_text_file_named_wav(tmp_path: Path) -> None:
     expect_input_error(path, "not an audio file (format not recognised)")
 
 
-@pytest.mark.parametrize("keep", [0.5, 0.002])
-def test_truncated_flac(tmp_path: Path, keep: float) -> None:
+def test_flac_cut_inside_its_header_is_an_error(tmp_path: Path) -> None:
     whole = tmp_path / "whole.flac"
     sf.write(whole, tone(3.0, 44100, channels=2), 44100)
     data = whole.read_bytes()
     path = tmp_path / "cut.flac"
-    path.write_bytes(data[: int(len(data) * keep)])  # cut mid-stream, or inside the header
+    path.write_bytes(data[: int(len(data) * 0.002)])  # nothing readable
     expect_input_error(path, "corrupt or truncated audio (")
+
+
+def _cut_copies(tmp_path: Path) -> dict[str, tuple[Path, float]]:
+    """Each format cut at half its bytes, with the seconds the whole file holds."""
+    samples = tone(8.0, 44100, channels=2)
+    whole = {
+        "wav": tmp_path / "whole.wav",
+        "flac": tmp_path / "whole.flac",
+        "mp3": tmp_path / "whole.mp3",
+    }
+    for path in whole.values():
+        sf.write(path, samples, 44100)
+    # AAC with its index (moov) first, as streaming encoders and faststart write it.
+    plain = encode_with_av(samples, 44100, tmp_path / "plain.m4a", "aac", 44100)
+    whole["m4a"] = tmp_path / "whole.m4a"
+    with (
+        av.open(str(plain)) as src,
+        av.open(str(whole["m4a"]), "w", options={"movflags": "faststart"}) as dst,
+    ):
+        stream = dst.add_stream_from_template(src.streams.audio[0])
+        for packet in src.demux(src.streams.audio[0]):
+            if packet.dts is not None:
+                packet.stream = stream
+                dst.mux(packet)
+    cut = {}
+    for fmt, path in whole.items():
+        data = path.read_bytes()
+        cut[fmt] = (tmp_path / f"cut.{fmt}", 8.0)
+        cut[fmt][0].write_bytes(data[: len(data) // 2])
+    return cut
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "m4a"])
+def test_truncated_file_is_decoded_as_far_as_it_goes_with_one_warning(
+    tmp_path: Path, fmt: str
+) -> None:
+    path, whole_seconds = _cut_copies(tmp_path)[fmt]
+    with pytest.warns(WhisperCliWarning) as caught:
+        x = load_audio(path)
+    ours = [w for w in caught if not issubclass(w.category, DecoderMessage)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    message = str(ours[0].message)
+    assert message.startswith(f"{path}: truncated: the audio ends at ")
+    assert f"of the {whole_seconds:.1f} s its header announces" in message
+    # About half the audio is there (the cut is at half the bytes), and it is the tone.
+    assert 0.35 * whole_seconds < len(x) / SAMPLE_RATE < 0.65 * whole_seconds
+    assert np.abs(x[SAMPLE_RATE : 2 * SAMPLE_RATE]).max() > 0.2
+
+
+def test_whole_files_give_no_truncation_warning(tmp_path: Path) -> None:
+    paths = [p.with_name(p.name.replace("cut", "whole")) for p, _ in _cut_copies(tmp_path).values()]
+    paths += [shared_clip(n) for n in ("jfk.flac", "hotwords.mp3", "multilingual.mp3")]
+    for path in paths:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            load_audio(path)
+        assert [w for w in caught if "truncated" in str(w.message)] == [], path
+
+
+def test_m4a_without_its_index_is_damaged_audio_not_a_non_audio_file(tmp_path: Path) -> None:
+    path = encode_with_av(tone(3.0, 44100, channels=2), 44100, tmp_path / "a.m4a", "aac", 44100)
+    data = path.read_bytes()
+    assert data.find(b"moov") > len(data) // 2  # FFmpeg writes the index last
+    path.write_bytes(data[: len(data) // 2])
+    expect_input_error(path, "corrupt or truncated audio (")
+
+
+def test_non_finite_samples_become_silence_with_one_warning(tmp_path: Path) -> None:
+    samples = tone(3.0, 44100, channels=2)
+    samples[44100, 0] = np.nan  # one sample of one channel
+    samples[2 * 44100 : 2 * 44100 + 100] = np.inf  # a run of 100 frames
+    path = tmp_path / "damaged.wav"
+    sf.write(path, samples, 44100, subtype="FLOAT")
+    with pytest.warns(WhisperCliWarning) as caught:
+        x = load_audio(path)
+    assert [str(w.message) for w in caught] == [
+        f"{path}: 101 non-finite samples (NaN or infinite) replaced by silence (2 ms of 3.0 s)"
+    ]
+    assert np.isfinite(x).all()
+    clean = samples.copy()
+    clean[~np.isfinite(clean)] = 0.0
+    sf.write(tmp_path / "clean.wav", clean, 44100, subtype="FLOAT")
+    np.testing.assert_array_equal(x, load_audio(tmp_path / "clean.wav"))
+
+
+def test_input_with_no_finite_sample_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "nan.wav"
+    sf.write(path, np.full((16000, 1), np.nan, np.float32), 16000, subtype="FLOAT")
+    with pytest.raises(InputError, match="has no finite sample"):
+        load_audio(path)
+
+
+def test_decoder_chatter_on_fd_2_is_captured_and_kept_as_a_message(capfd) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x = load_audio(shared_clip("multilingual.mp3"))
+    assert len(x) == pytest.approx(59.9 * SAMPLE_RATE, abs=SAMPLE_RATE)
+    assert capfd.readouterr().err == ""  # libmpg123 wrote nothing to the real stderr
+    said = [w for w in caught if issubclass(w.category, DecoderMessage)]
+    assert len(said) == 1 and "part2_3_length" in str(said[0].message)
+    assert len(caught) == 1
 
 
 def test_corruption_found_mid_stream_raises_input_error_from_blocks(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ Transcriber and renders output itself). Tests about finding a model load it for 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import huggingface_hub
+import numpy as np
 import pytest
 import soundfile as sf
 from test_formats import assert_monotonic, parse_srt, parse_vtt
@@ -47,6 +49,10 @@ def transcribe(*args: str):
     result = cli("transcribe", *args)
     assert result.exit_code == 0, (result.stderr, result.exception)
     return result
+
+
+def warning_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("whisper-cli: warning:")]
 
 
 def usage_error(result, *words: str) -> None:
@@ -271,8 +277,6 @@ def test_bad_dtype_and_missing_cuda_are_usage_errors() -> None:
 
 @pytest.mark.usefixtures("cached_cli_models")
 def test_language_checks() -> None:
-    result = transcribe(jfk(), "-m", tiny(), "--language", "en", "--multilingual")
-    assert JFK_PHRASE in english(result.stdout)
     usage_error(cli("transcribe", jfk(), "-m", tiny(), "--language", "de"), "English-only", "'de'")
     usage_error(
         cli("transcribe", jfk(), "-m", str(real_model("base")), "-l", "xx"),
@@ -328,6 +332,12 @@ def test_max_new_tokens_truncates_each_window() -> None:
     # One token is the opening timestamp; the other four are the first words.
     assert short and full.startswith(short)
     assert 2 <= len(short.split()) <= 4
+    # ... and says so: the rest of the window is missing.
+    result = transcribe(jfk(), "-m", tiny(), "--max-new-tokens", "5")
+    assert warning_lines(result.stderr) == [
+        f"whisper-cli: warning: {jfk()}: 1 of 1 window(s) reached --max-new-tokens 5 before "
+        "their end; the text after that is missing"
+    ]
     assert cli("transcribe", jfk(), "-m", tiny(), "--max-new-tokens", "0").exit_code == 2
 
 
@@ -367,8 +377,17 @@ def test_channel_picks_one_speaker() -> None:
 @pytest.mark.usefixtures("cached_cli_models")
 def test_silence_and_repetition_guards() -> None:
     everything_silent = ("--no-speech-threshold", "-1", "--logprob-threshold", "0")
-    assert transcribe(jfk(), "-m", tiny(), *everything_silent).stdout == ""
-    assert transcribe(jfk(), "-m", tiny(), "--compression-ratio-threshold", "0.5").stdout == ""
+    silent = transcribe(jfk(), "-m", tiny(), *everything_silent)
+    assert silent.stdout == "" and f"whisper-cli: {jfk()}: no speech found" in silent.stderr
+    dropped = transcribe(jfk(), "-m", tiny(), "--compression-ratio-threshold", "0")
+    assert dropped.stdout == ""
+    [line] = warning_lines(dropped.stderr)
+    assert re.fullmatch(
+        rf"whisper-cli: warning: {re.escape(jfk())}: \d segment\(s\) dropped as repetitive "
+        r"\(above --compression-ratio-threshold 0\)",
+        line,
+    )
+    assert "no speech found" not in dropped.stderr  # there was speech; the guard dropped it
     # The defaults keep real speech.
     assert JFK_PHRASE in english(transcribe(jfk(), "-m", tiny()).stdout)
 
@@ -443,6 +462,10 @@ def test_recursive(tmp_path: Path) -> None:
         return sorted(json.loads(line)["path"] for line in out.splitlines())
 
     assert paths() == [str(root / "a.flac")]
+    # Named twice (and once more through its directory): transcribed once.
+    twice = transcribe(str(root / "a.flac"), str(root), "-m", tiny(), "-f", "jsonl")
+    assert len(twice.stdout.splitlines()) == 1
+    assert f"{root / 'a.flac'} is named more than once; transcribed once" in twice.stderr
     assert paths("--recursive") == [
         str(root / "a.flac"),
         str(root / "nested" / "deeper" / "c.wav"),
@@ -450,11 +473,11 @@ def test_recursive(tmp_path: Path) -> None:
     ]
     empty = cli("transcribe", str(root / "nested"), "-m", tiny(), "-q")
     assert empty.exit_code == 1 and "use --recursive" in empty.stderr
-    # Outputs are named by stem: two inputs that would write the same file are refused
-    # before any work, instead of one silently overwriting the other.
-    (root / "sub" / "a.wav").symlink_to(shared_clip("stereo_diarization.wav"))
+    # Outputs are named by stem: two inputs of one folder that would write the same file
+    # are refused before any work, instead of one silently overwriting the other.
+    (root / "sub" / "b.wav").symlink_to(shared_clip("stereo_diarization.wav"))
     clash = cli("transcribe", str(root), "-r", "-m", tiny(), "-o", str(tmp_path / "out"))
-    usage_error(clash, "a.flac", "a.wav", "a.txt")
+    usage_error(clash, "b.mp3", "b.wav", str(tmp_path / "out" / "sub" / "b.txt"))
     assert not (tmp_path / "out").exists()
 
 
@@ -520,3 +543,268 @@ def test_failed_input_exits_1_and_the_others_are_written(tmp_path: Path) -> None
     assert sorted(p.name for p in out.iterdir()) == ["jfk.txt", "right.txt"]
     assert JFK_PHRASE in english((out / "jfk.txt").read_text())
     assert count_phrase((out / "right.txt").read_text(), "horizon seems extremely distant") == 1
+
+
+# --- damaged samples, output locations, messages, polish -----------------------------------
+
+
+def _jfk_with(tmp_path: Path, name: str, damage) -> str:
+    """jfk.flac as a float WAV with `damage(samples, rate)` applied (FLAC holds no NaN)."""
+    samples, rate = sf.read(shared_clip("jfk.flac"), dtype="float32")
+    damage(samples, rate)
+    path = tmp_path / name
+    sf.write(path, samples, rate, subtype="FLOAT")
+    return str(path)
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+@pytest.mark.parametrize(
+    ("name", "damage", "affected"),
+    [
+        ("one_nan.wav", lambda x, r: x.__setitem__((5 * r, 0), np.nan), "1 non-finite sample"),
+        ("inf_run.wav", lambda x, r: x.__setitem__(slice(3 * r, 3 * r + 100), np.inf), "100 "),
+    ],
+)
+def test_non_finite_samples_keep_the_transcript(tmp_path: Path, name, damage, affected) -> None:
+    path = _jfk_with(tmp_path, name, damage)
+    result = transcribe(path, "-m", tiny())
+    assert wer(clip("jfk.flac")["reference"], result.stdout) <= 0.1, result.stdout
+    [line] = warning_lines(result.stderr)
+    assert line.startswith(f"whisper-cli: warning: {path}: {affected}")
+    assert "replaced by silence" in line
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_all_nan_input_is_an_input_error(tmp_path: Path) -> None:
+    path = _jfk_with(tmp_path, "all_nan.wav", lambda x, r: x.fill(np.nan))
+    result = cli("transcribe", path, "-m", tiny())
+    assert result.exit_code == 1 and result.stdout == ""
+    assert f"whisper-cli: error: {path}: has no finite sample (all are NaN or infinite)" in (
+        result.stderr
+    )
+
+
+@pytest.fixture(scope="module")
+def long_input(tmp_path_factory) -> Path:
+    """Five minutes of speech (jfk tiled): hours of work if found only after decoding."""
+    samples, rate = sf.read(shared_clip("jfk.flac"), dtype="float32")
+    path = tmp_path_factory.mktemp("long") / "long.flac"
+    sf.write(path, np.concatenate([samples] * 28), rate)
+    return path
+
+
+def _unwritable_dir(tmp_path: Path) -> tuple[Path, tuple[str, ...]]:
+    """A read-only directory, and the command prefix under which it is read-only for us."""
+    from test_reliability import drop_file_access_prefix
+
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    prefix = drop_file_access_prefix(folder)  # root writes anywhere unless it drops that
+    if prefix is None:
+        pytest.skip("running as root without setpriv: no directory is read-only")
+    return folder, prefix
+
+
+@pytest.mark.parametrize("where", ["read_only", "under_a_file"])
+def test_unusable_output_dir_fails_before_the_model_loads(
+    tmp_path: Path, long_input: Path, where: str
+) -> None:
+    prefix: tuple[str, ...] = ()
+    if where == "read_only":
+        out, prefix = _unwritable_dir(tmp_path)
+        message = f"cannot write to output directory {out}: Permission denied"
+    else:
+        (tmp_path / "file").write_text("x\n")
+        out = tmp_path / "file" / "out"
+        message = f"cannot create output directory {out}: Not a directory"
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [*prefix, *whisper_cli_command(), "transcribe", str(long_input), "-m", tiny(), "-o", out],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    seconds = time.perf_counter() - started
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"whisper-cli: error: {message}\n"  # no model line: never loaded
+    assert seconds < 2.0, f"took {seconds:.1f} s"
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_recursive_output_dir_mirrors_the_input_tree(tmp_path: Path) -> None:
+    calls = tmp_path / "calls"
+    for month in ("jan", "feb"):
+        (calls / month).mkdir(parents=True)
+    (calls / "jan" / "call1.flac").symlink_to(shared_clip("jfk.flac"))
+    (calls / "feb" / "call1.wav").symlink_to(shared_clip("stereo_diarization.wav"))
+    (calls / "top.mp3").symlink_to(shared_clip("hotwords.mp3"))
+    out = tmp_path / "out"
+    result = transcribe(str(calls), "-r", "-m", tiny(), "-o", str(out), "-f", "txt")
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*.txt")) == [
+        "feb/call1.txt",
+        "jan/call1.txt",
+        "top.txt",
+    ]
+    assert JFK_PHRASE in english((out / "jan" / "call1.txt").read_text())
+    assert "curtain" in (out / "feb" / "call1.txt").read_text()
+    assert "whisper-cli: 3 written, 0 failed, 20 s of audio in " in result.stderr
+
+
+def test_decoder_chatter_stays_off_stderr() -> None:
+    mp3 = str(shared_clip("multilingual.mp3"))
+    command = [*whisper_cli_command(), "transcribe", mp3, "-m", tiny(), "--max-new-tokens", "8"]
+    quiet = subprocess.run([*command, "-q"], capture_output=True, text=True, cwd=REPO)
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    assert "Permission" in quiet.stdout
+    plain = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    assert "part2_3_length" not in plain.stderr and "error:" not in plain.stderr
+    verbose = subprocess.run([*command, "-v"], capture_output=True, text=True, cwd=REPO)
+    [said] = [line for line in verbose.stderr.splitlines() if "the decoder said" in line]
+    assert said.startswith(f"whisper-cli: warning: {mp3}: the decoder said: [src/libmpg123/")
+
+
+def test_f16_on_cpu_warns_once_as_one_line(tmp_path: Path) -> None:
+    silent = tmp_path / "silent.wav"  # nothing to decode: the run is the model load
+    sf.write(silent, np.zeros(16000, np.float32), 16000)
+    command = [*whisper_cli_command(), "transcribe", str(silent), "-m", tiny(), "--dtype", "f16"]
+    plain = subprocess.run([*command, "--device", "cpu"], capture_output=True, text=True)
+    assert plain.returncode == 0, plain.stderr
+    [line] = warning_lines(plain.stderr)
+    assert line.startswith("whisper-cli: warning: f16 on CPU is slow")
+    assert ".py:" not in plain.stderr and "RuntimeWarning" not in plain.stderr
+    quiet = subprocess.run([*command, "--device", "cpu", "-q"], capture_output=True, text=True)
+    assert quiet.returncode == 0 and quiet.stderr == ""
+
+
+# --- item 8 of the interactive-use issue, one test each ----------------------------------------
+
+
+def test_version_and_short_help() -> None:
+    from whisper_cli import __version__
+
+    version = cli("--version")
+    assert version.exit_code == 0 and version.stdout == f"whisper-cli {__version__}\n"
+    for args in (["-h"], ["transcribe", "-h"]):
+        result = cli(*args)
+        assert result.exit_code == 0 and "Usage: whisper-cli" in result.stdout
+
+
+def test_help_has_panels_and_examples_and_fits_80_columns() -> None:
+    proc = subprocess.run(
+        [*whisper_cli_command(), "transcribe", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "80", "TERM": "dumb"},
+    )
+    out = proc.stdout
+    assert proc.returncode == 0
+    for panel in ("Input and output", "Model and precision", "Decoding", "Guards", "Performance"):
+        assert f"─ {panel}" in out, panel
+    assert "Examples" in out and "whisper-cli transcribe talk.mp3 -f srt > talk.srt" in out
+    assert "<bool>" not in out and "…" not in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    import typer.main
+
+    command = typer.main.get_command(app).commands["transcribe"]
+    options = [o for p in command.params for o in p.opts if o.startswith("--")]
+    assert len(options) >= 20
+    for option in options:  # every option's name in full
+        assert re.search(rf"{option}\b", out), option
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+@pytest.mark.parametrize("language", ["EN", "English", "english"])
+def test_language_names_and_any_case(language: str) -> None:
+    result = transcribe(jfk(), "-m", tiny(), "--language", language, "-f", "json")
+    assert json.loads(result.stdout)["language"] == "en"
+
+
+@pytest.fixture
+def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    import whisper_cli.loading as loading
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(loading, "load_model", load_model)
+
+
+@pytest.mark.usefixtures("no_model_load")
+def test_bad_channel_language_and_missing_input_before_the_model_loads(tmp_path: Path) -> None:
+    usage_error(cli("transcribe", jfk(), "-m", tiny(), "--channel", "centre"), "invalid channel")
+    usage_error(cli("transcribe", jfk(), "-m", tiny(), "-l", "klingon"), "unknown language")
+    missing = cli("transcribe", str(tmp_path / "missing.wav"), "-m", tiny())
+    assert missing.exit_code == 1
+    assert missing.stderr == f"whisper-cli: error: {tmp_path / 'missing.wav'}: no such file\n"
+    stereo = str(shared_clip("stereo_diarization.wav"))
+    no_channel = cli("transcribe", stereo, "-m", tiny(), "--channel", "2")
+    assert no_channel.exit_code == 1 and "has no channel 2" in no_channel.stderr
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_contradictory_options_are_refused() -> None:
+    usage_error(
+        cli("transcribe", jfk(), "-m", tiny(), "--multilingual"), "English-only", "--multilingual"
+    )
+    base = str(real_model("base"))
+    usage_error(
+        cli("transcribe", jfk(), "-m", base, "--multilingual", "-l", "en"),
+        "--multilingual",
+        "contradicts --language en",
+    )
+    usage_error(cli("transcribe", jfk(), "-m", tiny(), "-q", "-v"), "--quiet and --verbose")
+
+
+def test_full_disk_is_a_clear_error() -> None:
+    exe = shlex.join(whisper_cli_command())
+    proc = shell(f"{exe} transcribe {shlex.quote(jfk())} -m {shlex.quote(tiny())} -q > /dev/full")
+    assert proc.returncode == 2
+    assert proc.stderr == "whisper-cli: error: cannot write to stdout: No space left on device\n"
+
+
+def test_closed_stdout_is_a_quiet_exit() -> None:
+    hotwords = str(shared_clip("hotwords.mp3"))
+    command = [*whisper_cli_command(), "transcribe", jfk(), hotwords, "-m", tiny()]
+    proc = subprocess.Popen(
+        [*command, "-f", "jsonl"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO
+    )
+    proc.stdout.close()  # `| head -0`: the reader is gone before the first line
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=600) == 141  # 128 + SIGPIPE, as `cat` and `grep` report it
+    assert "error" not in stderr and "Traceback" not in stderr, stderr
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_same_file_twice_is_transcribed_once_and_runs_end_with_a_summary(tmp_path) -> None:
+    hotwords = str(shared_clip("hotwords.mp3"))
+    missing = str(tmp_path / "missing.wav")
+    result = cli("transcribe", jfk(), hotwords, jfk(), missing, "-m", tiny(), "-f", "jsonl")
+    assert result.exit_code == 1
+    assert [json.loads(line)["path"] for line in result.stdout.splitlines()] == [jfk(), hotwords]
+    assert f"whisper-cli: {jfk()} is named more than once; transcribed once" in result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert re.fullmatch(r"whisper-cli: 2 written, 1 failed, 15 s of audio in [\d.]+ s", last)
+    assert "written" not in transcribe(jfk(), "-m", tiny()).stderr  # one input: no summary
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_repetition_guard_cut_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real speech rarely loops with tiny.en; the decoder's flag is set on its real rows."""
+    import dataclasses
+
+    from whisper_cli.decoding import GreedyDecoder
+
+    real = GreedyDecoder.decode
+
+    def looping(self, *args, **kwargs):
+        return [dataclasses.replace(row, looped=True) for row in real(self, *args, **kwargs)]
+
+    monkeypatch.setattr(GreedyDecoder, "decode", looping)
+    result = transcribe(jfk(), "-m", tiny())
+    assert warning_lines(result.stderr) == [
+        f"whisper-cli: warning: {jfk()}: 1 window(s) stopped by the repetition guard (the "
+        "model was repeating itself); the rest of those windows is missing"
+    ]
+    assert "warning" not in transcribe(jfk(), "-m", tiny(), "-q").stderr

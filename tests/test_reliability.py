@@ -122,7 +122,9 @@ class BadRun:
         (tmp / "no_audio_dir" / "notes.txt").write_text("not audio\n")
         (bad / "notes.wav").write_text("these are notes, not a RIFF file\n")
         data = jfk.read_bytes()
-        (bad / "truncated.flac").write_bytes(data[: len(data) // 4])
+        # Cut short: not a bad input any more; what is there is transcribed, with a warning.
+        self.truncated = tmp / "truncated.flac"
+        self.truncated.write_bytes(data[: len(data) // 4])
         garbled = bytearray(data)  # header and tail intact, the middle is noise
         rng = np.random.default_rng(1)
         garbled[200_000:600_000] = rng.integers(0, 256, 400_000, dtype=np.uint8).tobytes()
@@ -138,7 +140,6 @@ class BadRun:
             "missing": (str(tmp / "missing.wav"), "no such file"),
             "dir": (str(tmp / "no_audio_dir"), "directory contains no audio files"),
             "not_audio": (str(bad / "notes.wav"), "not an audio file"),
-            "truncated": (str(bad / "truncated.flac"), "corrupt or truncated audio"),
             "garbled": (str(bad / "garbled.flac"), "corrupt or truncated audio"),
             "empty": (str(bad / "empty.wav"), "contains no audio"),
             "header_only": (str(bad / "header_only.wav"), "contains no audio"),
@@ -150,7 +151,7 @@ class BadRun:
         self.unreadable_skip = None if prefix is not None else "setpriv cannot drop root's access"
         paths = [p for p, _ in self.cases.values()]
         # Good inputs first, in the middle and last: failures must not stop the others.
-        args = [str(jfk), *paths[:4], str(stereo), *paths[4:]]
+        args = [str(jfk), *paths[:4], str(stereo), *paths[4:], str(self.truncated)]
         started = time.perf_counter()
         self.result = run_cli(
             "transcribe", *args, "--model", tiny(), "-o", self.out, "--format", "all",
@@ -168,12 +169,18 @@ def test_bad_inputs_exit_1_and_good_inputs_are_written(bad_run: BadRun) -> None:
     assert_clean(bad_run.result, 1)
     assert len(error_lines(bad_run.result.stderr)) == len(bad_run.cases)
     assert sorted(p.name for p in bad_run.out.iterdir()) == sorted(
-        f"{stem}.{fmt}" for stem in ("jfk", "stereo_diarization") for fmt in FORMATS
+        f"{stem}.{fmt}" for stem in ("jfk", "stereo_diarization", "truncated") for fmt in FORMATS
     )
     assert words((bad_run.out / "jfk.txt").read_text()) == JFK_WORDS
     assert "curtain on the left" in (bad_run.out / "stereo_diarization.txt").read_text()
     assert json.loads((bad_run.out / "jfk.json").read_text())["segments"]
     assert bad_run.result.stdout == ""  # everything went to --output-dir
+
+
+def test_truncated_input_is_transcribed_as_far_as_it_goes_with_a_warning(bad_run) -> None:
+    path = bad_run.truncated
+    assert f"whisper-cli: warning: {path}: truncated: the audio ends at " in bad_run.result.stderr
+    assert "fellow americans" in words((bad_run.out / "truncated.txt").read_text())  # 2.6 s
 
 
 @pytest.mark.parametrize(
@@ -182,7 +189,6 @@ def test_bad_inputs_exit_1_and_good_inputs_are_written(bad_run: BadRun) -> None:
         "missing",
         "dir",
         "not_audio",
-        "truncated",
         "garbled",
         "empty",
         "header_only",
@@ -278,8 +284,9 @@ def test_unwritable_output_dir_is_a_clear_error(tmp_path: Path) -> None:
     result = run_cli("transcribe", quiet, "-m", tiny(), "-o", out)
     assert_clean(result, 2)
     assert error_lines(result.stderr) == [
-        f"whisper-cli: error: cannot write {out / 'quiet.txt'}: Not a directory"
+        f"whisper-cli: error: cannot create output directory {out}: Not a directory"
     ]
+    assert "whisper-cli: model" not in result.stderr  # found before the model loads
 
 
 def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch) -> None:
@@ -433,9 +440,9 @@ def test_text_over_non_speech_is_dropped(tiny_en, default_transcriber) -> None:
         no_speech_prob=0.1,
         language=None,
     )
-    kept = default_transcriber("tiny.en")._segments(window, row)
+    kept, _ = default_transcriber("tiny.en")._segments(window, row)
     assert [(s.start, s.end, s.text) for s in kept] == [(11.0, 16.0, " Ask not.")]
-    everything = default_transcriber("tiny.en", vad=False)._segments(window, row)
+    everything, _ = default_transcriber("tiny.en", vad=False)._segments(window, row)
     assert [s.text for s in everything] == [" Ask not.", " Thank you."]
 
 

@@ -8,13 +8,28 @@ Everything streams: the input is read a few seconds at a time, mixed (or one cha
 picked), resampled with a *streaming* soxr resampler and re-cut into fixed-size blocks, so
 memory stays bounded however long the input is. ``open_audio`` validates the input before
 any real work and turns every problem into an ``InputError`` that names the file.
+
+Damaged inputs, one policy for every format: a file whose data ends before the length
+its header announces (a recording cut short, a partial download) is decoded as far as it
+goes, with one warning that says where it ends; a file damaged in the middle, or with
+nothing readable, is an InputError. Samples that are NaN or infinite are replaced by
+silence with one warning (an input with no finite sample at all is an InputError).
+Warnings go through Python's ``warnings`` as ``WhisperCliWarning``; what C decoders print
+to the process's stderr (libmpg123, FFmpeg) is captured at the file-descriptor level and
+reported as a ``DecoderMessage`` warning, or inside the InputError when the read fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import re
+import signal
 import sys
+import tempfile
+import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +39,7 @@ import numpy as np
 import soundfile as sf
 import soxr
 
-from whisper_cli.errors import InputError, WhisperCliError
+from whisper_cli.errors import DecoderMessage, InputError, WhisperCliError, WhisperCliWarning
 
 if TYPE_CHECKING:  # PyAV is imported lazily at run time
     import av
@@ -38,8 +53,21 @@ STDIN_PATH = "-"
 _READ_SECONDS = 5.0
 # Frames read from the start and end of a libsndfile input when validating it: seeking to
 # the end is cheap and is what exposes a truncated FLAC before any decoding work is done.
+# Also the read size when salvaging what precedes the end of a truncated file.
 _PROBE_FRAMES = 4096
 _CHANNEL_NAMES = {"left": 0, "right": 1}
+# A decode shorter than the header's length by more than this is reported as truncated:
+# MP3 (Xing) and AAC lengths are off by encoder delay and padding (a few frames, under
+# 0.1 s) and by up to 1% where the encoder estimated them.
+_LENGTH_SLACK_SECONDS = 0.1
+_LENGTH_SLACK_FRACTION = 0.01
+# libsndfile's log of a WAV/AIFF whose data chunk is shorter than its header says, e.g.
+# "data : 1940400 (should be 970178)"; a size of 0 or ~4 GiB is a stream's "unknown".
+_SHORT_CHUNK = re.compile(r"^(?:data|SSND) : (\d+) \(should be (\d+)\)", re.M)
+_UNKNOWN_CHUNK_SIZES = (0, 0xFFFFFFFF)
+# File signatures of audio containers: data that starts with one and that no decoder can
+# open is damaged audio, not "not an audio file".
+_AUDIO_SIGNATURES = ((4, b"ftyp"), (0, b"RIFF"), (0, b"fLaC"), (0, b"OggS"), (0, b"FORM"))
 
 Opener = Callable[[], BinaryIO]
 
@@ -58,14 +86,111 @@ class _DecodeError(Exception):
     """A decoder failed mid-stream; ``blocks`` turns it into an InputError."""
 
 
+class _Chatter:
+    """What C libraries write straight to file descriptor 2 while a decoder call runs.
+
+    libmpg123 prints "[src/libmpg123/layer3.c:...] error: part2_3_length ..." for frames
+    it then decodes fine, and "Warning: Xing stream size off ..." for cut files; Python's
+    sys.stderr never sees it, so fd 2 itself points at a scratch file during each call
+    (one file for the process, emptied after each call: thousands of open inputs must not
+    hold a file descriptor each).
+    """
+
+    _scratch = None  # the process's scratch file, created at the first capture
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._text: list[str] = []
+        self._reported = 0
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        with _Chatter._lock, _interrupts_held():
+            try:
+                saved = os.dup(2)
+            except OSError:  # no fd 2 (stderr closed): nothing to capture
+                yield
+                return
+            if _Chatter._scratch is None:
+                _Chatter._scratch = tempfile.TemporaryFile()  # noqa: SIM115 - kept open
+            scratch = _Chatter._scratch
+            with contextlib.suppress(ValueError, OSError):  # our own buffered text first
+                sys.stderr.flush()
+            os.dup2(scratch.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                scratch.seek(0)
+                self._text.append(scratch.read().decode("utf-8", "replace"))
+                scratch.seek(0)
+                scratch.truncate()
+
+    def lines(self, since_report: bool = False) -> list[str]:
+        """Distinct lines captured (in order), with a repeat count when seen more than once."""
+        counts: dict[str, int] = {}
+        for chunk in self._text[self._reported if since_report else 0 :]:
+            for line in chunk.splitlines():
+                if line.strip():
+                    counts[line.strip()] = counts.get(line.strip(), 0) + 1
+        return [line if n == 1 else f"{line} (x{n})" for line, n in counts.items()]
+
+    def mark_reported(self) -> None:
+        self._reported = len(self._text)
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Ctrl-C's Python handler held off while fd 2 is swapped, and run right after.
+
+    A KeyboardInterrupt raised between the swap and its undoing would leave fd 2 pointing
+    at the scratch file: every later message (the "interrupted" line too) would vanish.
+    Each capture is one decoder call (a few seconds of audio), so the delay is short.
+    """
+    handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+        yield
+        return
+    held: list[tuple[int, object]] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        if held:
+            handler(*held[0])
+
+
+@dataclass
+class _Tally:
+    """What one decode pass found, to be reported when it ends."""
+
+    frames: int = 0  # frames decoded, at the input's rate
+    nonfinite: int = 0  # frames with a NaN or infinite sample in any channel
+    ended_early: bool = False  # a decoder error ended a file that was cut short
+
+
 class AudioSource:
     """An opened, validated input. ``blocks`` may be called more than once."""
 
-    def __init__(self, info: AudioInfo, backend: str, opener: Opener, channel: int | None):
+    def __init__(
+        self,
+        info: AudioInfo,
+        backend: str,
+        opener: Opener,
+        channel: int | None,
+        *,
+        announced: float | None = None,
+        chatter: _Chatter | None = None,
+    ):
         self.info = info
         self.backend = backend  # "soundfile" or "av": which decoder reads this input
         self._opener = opener
         self._channel = channel  # None: mean of all channels
+        # The length the header announces where the data may end before it (see _probe).
+        self._announced = announced
+        self._chatter = chatter if chatter is not None else _Chatter()
 
     def __repr__(self) -> str:
         return f"AudioSource({self.info!r}, backend={self.backend!r})"
@@ -73,21 +198,61 @@ class AudioSource:
     def blocks(self, block_seconds: float = 30.0) -> Iterator[np.ndarray]:
         """Yield the audio as float32 mono 16 kHz blocks of ``block_seconds`` (the last shorter).
 
-        Raises InputError if the input turns out to be corrupt part way through.
+        Raises InputError if the input turns out to be damaged part way through, or has
+        no finite sample; warns (WhisperCliWarning) when it ends before its header says
+        or held NaN/infinite samples (replaced by silence).
         """
         block_size = round(block_seconds * SAMPLE_RATE)
         if block_size < 1:
             raise ValueError(f"block_seconds must be positive, got {block_seconds}")
         read_frames = max(1, round(_READ_SECONDS * self.info.sample_rate))
-        decode = _decode_soundfile if self.backend == "soundfile" else _decode_av
+        tally = _Tally()
+        if self.backend == "soundfile":
+            native = _decode_soundfile(
+                self._opener, read_frames, self._chatter, tally, self._announced is not None
+            )
+        else:
+            native = _decode_av(self._opener, read_frames, self._chatter, tally)
         try:
-            native = decode(self._opener, read_frames)
-            mono = (_to_mono(block, self._channel) for block in native)
+            mono = (_to_mono(block, self._channel) for block in _finite(native, tally))
             yield from _rechunk(_resample(mono, self.info.sample_rate), block_size)
         except _DecodeError as e:
-            raise InputError(self.info.path, f"corrupt or truncated audio ({e})") from e
+            said = self._chatter.lines(since_report=True)
+            detail = f"; the decoder said: {said[-1]}" if said else ""
+            raise InputError(self.info.path, f"corrupt or truncated audio ({e}{detail})") from e
         except OSError as e:  # the file changed or vanished since open_audio checked it
             raise InputError(self.info.path, f"cannot be read ({e.strerror or e})") from e
+        self._report(tally)
+
+    def _report(self, tally: _Tally) -> None:
+        path, rate = self.info.path, self.info.sample_rate
+        decoded = tally.frames / rate
+        if tally.frames and tally.nonfinite == tally.frames:
+            raise InputError(path, "has no finite sample (all are NaN or infinite)")
+        if tally.nonfinite:
+            n = tally.nonfinite
+            warnings.warn(
+                f"{path}: {n} non-finite sample{'s' * (n > 1)} (NaN or infinite) replaced by "
+                f"silence ({_span(n / rate)} of {_span(decoded)})",
+                WhisperCliWarning,
+                stacklevel=2,
+            )
+        announced = self._announced if self._announced is not None else self.info.duration
+        slack = _LENGTH_SLACK_SECONDS + _LENGTH_SLACK_FRACTION * (announced or 0.0)
+        if tally.ended_early or (announced and decoded < announced - slack):
+            length = f" of the {_span(announced)} its header announces" if announced else ""
+            warnings.warn(
+                f"{path}: truncated: the audio ends at {_span(decoded)}{length}; "
+                "transcribed what is there",
+                WhisperCliWarning,
+                stacklevel=2,
+            )
+        said = self._chatter.lines(since_report=True)
+        self._chatter.mark_reported()
+        if said:
+            warnings.warn(
+                f"{path}: the decoder said: {' | '.join(said)}", DecoderMessage, stacklevel=2
+            )
 
 
 def open_audio(
@@ -98,13 +263,14 @@ def open_audio(
     ``channel`` is None (mix all channels), ``"left"``, ``"right"`` or a 0-based index.
     Raises InputError for anything wrong with the input, before any decoding work.
     """
-    channel_index = _parse_channel(channel)
+    channel_index = parse_channel(channel)
     name = str(path)
     opener = _stdin_opener(stdin) if name == STDIN_PATH else _file_opener(name)
-    info, backend = _probe(name, opener)
+    chatter = _Chatter()
+    info, backend, announced = _probe(name, opener, chatter)
     if channel_index is not None and channel_index >= info.channels:
         raise InputError(name, _missing_channel(channel, info.channels))
-    return AudioSource(info, backend, opener, channel_index)
+    return AudioSource(info, backend, opener, channel_index, announced=announced, chatter=chatter)
 
 
 def load_audio(path: str | Path, channel: str | int | None = None) -> np.ndarray:
@@ -116,7 +282,8 @@ def load_audio(path: str | Path, channel: str | int | None = None) -> np.ndarray
 # --- opening ---------------------------------------------------------------------------
 
 
-def _parse_channel(channel: str | int | None) -> int | None:
+def parse_channel(channel: str | int | None) -> int | None:
+    """The 0-based channel index of a --channel value (None: mix); a usage error if invalid."""
     if channel is None:
         return None
     if isinstance(channel, str):
@@ -183,23 +350,40 @@ class _Rejected:
     recognised: bool  # the decoder knew the format, so the data must be damaged
 
 
-def _probe(name: str, opener: Opener) -> tuple[AudioInfo, str]:
-    """Find a decoder for the input and check it decodes; raise InputError if none does."""
-    first = _probe_soundfile(name, opener)
-    if isinstance(first, AudioInfo):
-        return first, "soundfile"
-    second = _probe_av(name, opener)
+def _probe(name: str, opener: Opener, chatter: _Chatter) -> tuple[AudioInfo, str, float | None]:
+    """Find a decoder for the input and check it decodes; raise InputError if none does.
+
+    Also returns the length the header announces when the data is known to end before
+    it (None otherwise), so that the decode can say the file was truncated.
+    """
+    with chatter.capture():
+        first = _probe_soundfile(name, opener)
+    if isinstance(first, tuple):
+        return first[0], "soundfile", first[1]
+    with chatter.capture():
+        second = _probe_av(name, opener)
     if isinstance(second, AudioInfo):
-        return second, "av"
+        return second, "av", None
+    said = chatter.lines()
+    detail = f"; the decoder said: {said[-1]}" if said else ""
     # libsndfile knows its formats' headers well: when it recognised the format but could
     # not read it (and FFmpeg could not either), the file is damaged, not something else.
     for rejected in (first, second):
         if rejected.recognised:
-            raise InputError(name, f"corrupt or truncated audio ({rejected.reason})")
+            raise InputError(name, f"corrupt or truncated audio ({rejected.reason}{detail})")
+    if _has_audio_signature(opener):
+        reason = "no decoder can read it: its index or data is missing or damaged"
+        raise InputError(name, f"corrupt or truncated audio ({reason}{detail})")
     raise InputError(name, f"not an audio file ({second.reason})")
 
 
-def _probe_soundfile(name: str, opener: Opener) -> AudioInfo | _Rejected:
+def _has_audio_signature(opener: Opener) -> bool:
+    with opener() as fobj:
+        head = fobj.read(12)
+    return any(head[at : at + len(magic)] == magic for at, magic in _AUDIO_SIGNATURES)
+
+
+def _probe_soundfile(name: str, opener: Opener) -> tuple[AudioInfo, float | None] | _Rejected:
     with opener() as fobj:
         try:
             f = sf.SoundFile(fobj)
@@ -207,12 +391,22 @@ def _probe_soundfile(name: str, opener: Opener) -> AudioInfo | _Rejected:
             return _Rejected(*_soundfile_problem(e))
         with f:
             _check_length(name, f.frames, f.samplerate)
-            _check_head_and_tail(name, f)
-            return AudioInfo(name, f.frames / f.samplerate, f.samplerate, f.channels)
+            tail_readable = _check_head_and_tail(name, f)
+            info = AudioInfo(name, f.frames / f.samplerate, f.samplerate, f.channels)
+            announced = None if tail_readable else info.duration
+            short = _SHORT_CHUNK.search(f.extra_info)
+            if short and int(short.group(1)) not in _UNKNOWN_CHUNK_SIZES:
+                # libsndfile shortened a WAV/AIFF data chunk to what the file holds.
+                announced = info.duration * int(short.group(1)) / max(int(short.group(2)), 1)
+            return info, announced
 
 
-def _check_head_and_tail(name: str, f: sf.SoundFile) -> None:
-    """Decode a little at both ends: cheap, and exposes a truncated or garbled file."""
+def _check_head_and_tail(name: str, f: sf.SoundFile) -> bool:
+    """Decode a little at both ends: cheap, and exposes a garbled or truncated file.
+
+    A garbled head is an InputError; returns whether the tail could be read (a file
+    whose tail cannot be reached was cut short: it is decoded as far as it goes).
+    """
     n = min(f.frames, _PROBE_FRAMES)
     try:
         f.read(n, dtype="float32")
@@ -221,12 +415,13 @@ def _check_head_and_tail(name: str, f: sf.SoundFile) -> None:
         raise InputError(name, f"corrupt or truncated audio ({reason})") from None
     # MP3 frame counts are estimates and its seeks are fuzzy, so its tail proves nothing.
     if f.frames <= 2 * n or f.format == "MP3":
-        return
+        return True
     try:
         f.seek(f.frames - n)
         f.read(n, dtype="float32")
     except sf.SoundFileError:
-        raise InputError(name, "corrupt or truncated audio (data ends early)") from None
+        return False
+    return True
 
 
 def _soundfile_problem(e: sf.SoundFileError) -> tuple[str, bool]:
@@ -312,30 +507,74 @@ def _check_length(name: str, frames: int, rate: int) -> None:
         )
 
 
+def _span(seconds: float) -> str:
+    """A length as people read it: 0.06 ms, 12 ms, 3.5 s, 11.0 s."""
+    if seconds < 0.001:
+        return f"{seconds * 1000:.2f} ms"
+    if seconds < 1.0:
+        return f"{seconds * 1000:.0f} ms"
+    return f"{seconds:.1f} s"
+
+
 # --- decoding: each yields float32 arrays of shape (frames, channels) at the input's rate ---
 
 
-def _decode_soundfile(opener: Opener, read_frames: int) -> Iterator[np.ndarray]:
-    done = 0.0  # seconds decoded, to say where a damaged file breaks
+def _decode_soundfile(
+    opener: Opener, read_frames: int, chatter: _Chatter, tally: _Tally, truncated: bool
+) -> Iterator[np.ndarray]:
+    """``truncated``: the probe found the data ends before the header says; a decoder
+    error there is that end (what precedes it is salvaged), anywhere else it is damage."""
+    done = 0  # frames decoded, to say where a damaged file breaks
+    rate = 1
     try:
-        with opener() as fobj, sf.SoundFile(fobj) as f:
-            while len(block := f.read(read_frames, dtype="float32", always_2d=True)):
-                done += len(block) / f.samplerate
+        with opener() as fobj, _open_soundfile(fobj, chatter) as f:
+            rate = f.samplerate
+            while True:
+                with chatter.capture():
+                    block = f.read(read_frames, dtype="float32", always_2d=True)
+                if not len(block):
+                    return
+                done += len(block)
                 yield block
     except sf.SoundFileError as e:
-        raise _DecodeError(f"{_soundfile_problem(e)[0]} after {done:.1f} s") from e
+        if not truncated:
+            raise _DecodeError(f"{_soundfile_problem(e)[0]} after {done / rate:.1f} s") from e
+    # The failed read lost up to read_frames before the end: read them again, in small steps.
+    with opener() as fobj, _open_soundfile(fobj, chatter) as f:
+        f.seek(done)
+        with contextlib.suppress(sf.SoundFileError):
+            while True:
+                with chatter.capture():
+                    block = f.read(_PROBE_FRAMES, dtype="float32", always_2d=True)
+                if not len(block):
+                    break
+                done += len(block)
+                yield block
+    tally.ended_early = True
 
 
-def _decode_av(opener: Opener, read_frames: int) -> Iterator[np.ndarray]:
+def _open_soundfile(fobj: BinaryIO, chatter: _Chatter) -> sf.SoundFile:
+    with chatter.capture():  # libmpg123 speaks when it reads the header
+        return sf.SoundFile(fobj)
+
+
+def _decode_av(
+    opener: Opener, read_frames: int, chatter: _Chatter, tally: _Tally
+) -> Iterator[np.ndarray]:
     import av
 
     done = 0.0  # seconds decoded, to say where a damaged file breaks
+    pending: list[np.ndarray] = []
     try:
-        with opener() as fobj, av.open(fobj, mode="r", metadata_errors="ignore") as container:
+        with opener() as fobj, _open_av(fobj, chatter) as container:
             converter: av.AudioResampler | None = None
-            pending: list[np.ndarray] = []
             count = 0
-            for frame in container.decode(container.streams.audio[0]):
+            frames = container.decode(container.streams.audio[0])
+            while True:
+                with chatter.capture():
+                    frame = next(frames, None)
+                if frame is None:
+                    break
                 if converter is None:
                     # Planar float at the first frame's rate and layout: a mid-stream change
                     # of layout or rate is converted back, so every block has the same shape.
@@ -349,10 +588,21 @@ def _decode_av(opener: Opener, read_frames: int) -> Iterator[np.ndarray]:
                     pending, count = [], 0
             if converter is not None:
                 pending.extend(out.to_ndarray() for out in converter.resample(None))
-            if pending:
-                yield _join_planar(pending)
     except av.FFmpegError as e:
-        raise _DecodeError(f"{_av_problem(e)} after {done:.1f} s") from e
+        # FFmpeg skips damaged packets on its own; an error that reaches here means the
+        # stream cannot go on (data cut short, index pointing past the end): its end.
+        if not pending and not done:
+            raise _DecodeError(f"{_av_problem(e)} after {done:.1f} s") from e
+        tally.ended_early = True
+    if pending:
+        yield _join_planar(pending)
+
+
+def _open_av(fobj: BinaryIO, chatter: _Chatter) -> av.container.InputContainer:
+    import av
+
+    with chatter.capture():
+        return av.open(fobj, mode="r", metadata_errors="ignore")
 
 
 def _join_planar(planes: list[np.ndarray]) -> np.ndarray:
@@ -360,7 +610,22 @@ def _join_planar(planes: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(planes, axis=1).T
 
 
-# --- mixing, resampling, re-blocking ------------------------------------------------------
+# --- sanitising, mixing, resampling, re-blocking ------------------------------------------
+
+
+def _finite(blocks: Iterable[np.ndarray], tally: _Tally) -> Iterator[np.ndarray]:
+    """Blocks with NaN and infinite samples replaced by silence (counted in ``tally``).
+
+    Resampling would spread one such sample over its whole neighbourhood, and the
+    log-mel of a window holding one is NaN: the whole window would be lost.
+    """
+    for block in blocks:  # (frames, channels)
+        tally.frames += len(block)
+        bad = ~np.isfinite(block)
+        if bad.any():
+            tally.nonfinite += int(bad.any(axis=1).sum())
+            block = np.where(bad, np.float32(0.0), block)
+        yield block
 
 
 def _to_mono(block: np.ndarray, channel: int | None) -> np.ndarray:

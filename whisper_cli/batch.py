@@ -252,7 +252,7 @@ def run_batch(
     log = on_log or (lambda message: None)
     if config.engine == "ray":
         _import_ray()  # before any work: it may not be installed
-    plan = OutputPlan.make(config.fmt, config.output_dir, n_inputs=2)  # always "several"
+    plan = OutputPlan.make(config.fmt, config.output_dir, [], n_inputs=2)  # always "several"
     items = read_manifest(config.manifest)
     plan.check_distinct([it.path for it in items])  # over the whole manifest: every shard
     items = shard_items(items, config.shard)

@@ -1,29 +1,64 @@
 """The command line: parse, call the library, render. The only module that knows Typer and Rich.
 
 Heavy imports (torch, the model) happen inside the commands, so `--help` is instant.
-Exit codes: 0 success, 1 some input failed, 2 run-level error, 130 interrupted.
+Exit codes: 0 success, 1 some input failed, 2 run-level error, 130 interrupted,
+141 stdout closed by its reader (`| head`).
+
+Every check that needs no model runs before it loads (options, output folders, every
+input opened and validated), so a mistake costs a second, not a model load and a decode.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 import time
+import warnings
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+import typer.core
 
+from whisper_cli import __version__
 from whisper_cli.allocator import keep_freed_memory
 from whisper_cli.errors import (
+    EXIT_BROKEN_PIPE,
     EXIT_INPUT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
+    DecoderMessage,
     WhisperCliError,
+    WhisperCliWarning,
 )
 from whisper_cli.options import Policy
+
+if TYPE_CHECKING:
+    from whisper_cli.pipeline import TranscribeOptions
+
+
+class _NoFlagPlaceholder:
+    """Help without a `<bool>` placeholder after --help (flags of ours set metavar="")."""
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None and hasattr(option, "metavar"):
+            option.metavar = ""
+        return option
+
+
+class _Group(_NoFlagPlaceholder, typer.core.TyperGroup):
+    pass
+
+
+class _Command(_NoFlagPlaceholder, typer.core.TyperCommand):
+    pass
+
 
 app = typer.Typer(
     name="whisper-cli",
@@ -31,7 +66,32 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    cls=_Group,
 )
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        print(f"whisper-cli {__version__}")
+        raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_show_version,
+            is_eager=True,
+            metavar="",
+            help="Show the version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """Fast, exact Whisper speech-to-text."""
 
 
 class Dtype(str, Enum):
@@ -62,73 +122,244 @@ class Format(str, Enum):
     all = "all"
 
 
+# --- options: one alias each, shared by every command that takes them --------------------
+
+PANEL_IO = "Input and output"
+PANEL_MODEL = "Model and precision"
+PANEL_DECODING = "Decoding"
+PANEL_GUARDS = "Guards (what is dropped as silence or repetition)"
+PANEL_PERFORMANCE = "Performance"
+PANEL_MESSAGES = "Messages"
+
+InputsArg = Annotated[
+    list[str],
+    typer.Argument(
+        help="Audio files (any format FFmpeg reads), directories, or - for stdin.",
+        metavar="AUDIO",
+        show_default=False,
+    ),
+]
 ModelOpt = Annotated[
     str | None,
     typer.Option(
         "--model",
         "-m",
+        metavar="NAME",
         help="Local HF or CTranslate2 dir, hub id, or alias (tiny, base, small, medium, "
         "large-v3, turbo, *.en). Default: turbo on CUDA, base otherwise.",
+        rich_help_panel=PANEL_MODEL,
     ),
 ]
-DtypeOpt = Annotated[Dtype, typer.Option(help="Floating dtype of the whole run.")]
-DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
-CompileOpt = Annotated[
-    Compile, typer.Option(help="torch.compile the decode step: auto = on for CUDA.")
+DtypeOpt = Annotated[
+    Dtype,
+    typer.Option(
+        help="Floating dtype of the whole run: weights, caches, activations. "
+        "auto: bf16 (or f16) on CUDA, f32 on CPU.",
+        rich_help_panel=PANEL_MODEL,
+    ),
 ]
-# The transcription options, shared by `transcribe` and `batch` (built by _options).
+DeviceOpt = Annotated[
+    str,
+    typer.Option(metavar="DEV", help="auto, cpu, cuda or cuda:N.", rich_help_panel=PANEL_MODEL),
+]
+CompileOpt = Annotated[
+    Compile,
+    typer.Option(
+        help="torch.compile the decode step: auto = on for CUDA.",
+        rich_help_panel=PANEL_PERFORMANCE,
+    ),
+]
 LanguageOpt = Annotated[
-    str | None, typer.Option("--language", "-l", help="Language code; default: detect.")
+    str | None,
+    typer.Option(
+        "--language",
+        "-l",
+        metavar="LANG",
+        help="Language code or English name, any case (de, German); default: detect.",
+        rich_help_panel=PANEL_DECODING,
+    ),
 ]
 MultilingualOpt = Annotated[
-    bool, typer.Option(help="Detect the language of every 30 s window, not once per file.")
-]
-TaskOpt = Annotated[Task, typer.Option(help="transcribe, or translate to English.")]
-TimestampsOpt = Annotated[
     bool,
     typer.Option(
-        help="Decode with timestamps (default). --no-timestamps is faster but drops "
-        "whole utterances from independent windows (measured: 21-30% of words lost).",
+        "--multilingual",
+        metavar="",
+        help="Detect the language of every 30 s window, not once per file "
+        "(multilingual models; not with --language).",
+        rich_help_panel=PANEL_DECODING,
     ),
 ]
-BatchSizeOpt = Annotated[int, typer.Option(min=1, help="Windows decoded together.")]
-MaxNewTokensOpt = Annotated[int, typer.Option(min=1, help="Tokens per 30 s window.")]
+TaskOpt = Annotated[
+    Task,
+    typer.Option(help="transcribe, or translate to English.", rich_help_panel=PANEL_DECODING),
+]
+NoTimestampsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-timestamps",
+        metavar="",
+        help="Decode without timestamps: faster, but drops whole utterances from "
+        "independent windows (measured: 21-30% of words lost).",
+        rich_help_panel=PANEL_DECODING,
+    ),
+]
+MaxNewTokensOpt = Annotated[
+    int,
+    typer.Option(
+        min=1,
+        metavar="N",
+        help="Most tokens decoded per 30 s window (a warning says when text was cut).",
+        rich_help_panel=PANEL_DECODING,
+    ),
+]
 InitialPromptOpt = Annotated[
-    str | None, typer.Option(help="Text that conditions every window (names, terms).")
+    str | None,
+    typer.Option(
+        metavar="TEXT",
+        help="Text that conditions every window (names, terms).",
+        rich_help_panel=PANEL_DECODING,
+    ),
 ]
 ChannelOpt = Annotated[
-    str | None, typer.Option(help="left, right or a channel index; default: down-mix.")
+    str | None,
+    typer.Option(
+        metavar="CH",
+        help="left, right or a 0-based channel index; default: mix all channels.",
+        rich_help_panel=PANEL_IO,
+    ),
 ]
-FormatOpt = Annotated[Format, typer.Option("--format", "-f", help="Output format.")]
+FormatOpt = Annotated[
+    Format,
+    typer.Option(
+        "--format",
+        "-f",
+        help="Output format (all: every one; needs --output-dir).",
+        rich_help_panel=PANEL_IO,
+    ),
+]
+OutputDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--output-dir",
+        "-o",
+        metavar="DIR",
+        help="Write DIR/<name>.<format> files instead of printing (with -r, DIR mirrors "
+        "the input tree).",
+        rich_help_panel=PANEL_IO,
+    ),
+]
+RecursiveOpt = Annotated[
+    bool,
+    typer.Option(
+        "--recursive",
+        "-r",
+        metavar="",
+        help="Also read the subdirectories of directory inputs.",
+        rich_help_panel=PANEL_IO,
+    ),
+]
+SkipExistingOpt = Annotated[
+    bool,
+    typer.Option(
+        "--skip-existing",
+        metavar="",
+        help="Skip inputs whose outputs exist in --output-dir (resume a run).",
+        rich_help_panel=PANEL_IO,
+    ),
+]
 VadOpt = Annotated[
     bool,
     typer.Option(
-        help="Decode only where the speech detector (Silero VAD) hears speech. "
+        "--vad/--no-vad",
+        help="Decode only where the speech detector (Silero VAD) hears speech; "
         "--no-vad decodes every window, for audio that defeats the detector.",
+        rich_help_panel=PANEL_GUARDS,
     ),
 ]
 VadThresholdOpt = Annotated[
-    float, typer.Option(min=0.01, max=0.99, help="Speech probability that starts speech.")
+    float,
+    typer.Option(
+        min=0.01,
+        max=0.99,
+        metavar="P",
+        help="Speech probability at which the detector starts speech.",
+        rich_help_panel=PANEL_GUARDS,
+    ),
 ]
 TEMPERATURES = ",".join(f"{t:g}" for t in Policy.temperatures)
 TemperatureOpt = Annotated[
     str,
     typer.Option(
-        help="Temperatures tried in turn on a window that fails the checks below: "
-        "one value, or a comma list as openai-whisper's (0 = greedy only).",
+        metavar="T[,T...]",
+        help="Temperatures tried in turn on a window that fails the guards (repetitive, "
+        "unsure or looping); 0 alone: greedy only.",
+        rich_help_panel=PANEL_DECODING,
     ),
 ]
-NoSpeechOpt = Annotated[
-    float, typer.Option(help="No-speech probability above which a window may be silence.")
+NoSpeechThresholdOpt = Annotated[
+    float,
+    typer.Option(
+        metavar="P",
+        help="A window is silent above this no-speech probability (and below --logprob-threshold).",
+        rich_help_panel=PANEL_GUARDS,
+    ),
 ]
-LogprobOpt = Annotated[
-    float, typer.Option(help="Average log-prob below which a window falls back.")
+LogprobThresholdOpt = Annotated[
+    float,
+    typer.Option(
+        metavar="LP",
+        help="...unless its average log-prob is at least this; below it, a window falls back.",
+        rich_help_panel=PANEL_GUARDS,
+    ),
 ]
-CompressionOpt = Annotated[
-    float, typer.Option(help="gzip ratio above which a window falls back (repetitive).")
+CompressionRatioThresholdOpt = Annotated[
+    float,
+    typer.Option(
+        metavar="R",
+        help="A window whose text compresses better than this (gzip ratio) falls back; a "
+        "segment that still does is dropped.",
+        rich_help_panel=PANEL_GUARDS,
+    ),
 ]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs.")]
-DebugOpt = Annotated[bool, typer.Option(help="Show tracebacks.")]
+BatchSizeOpt = Annotated[
+    int,
+    typer.Option(
+        min=1, metavar="N", help="Windows decoded together.", rich_help_panel=PANEL_PERFORMANCE
+    ),
+]
+QuietOpt = Annotated[
+    bool,
+    typer.Option(
+        "--quiet",
+        "-q",
+        metavar="",
+        help="Nothing on stderr but errors: no progress, logs or warnings.",
+        rich_help_panel=PANEL_MESSAGES,
+    ),
+]
+VerboseOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        metavar="",
+        help="Also print each segment, and what the audio decoders said.",
+        rich_help_panel=PANEL_MESSAGES,
+    ),
+]
+DebugOpt = Annotated[
+    bool,
+    typer.Option("--debug", metavar="", help="Show tracebacks.", rich_help_panel=PANEL_MESSAGES),
+]
+
+TRANSCRIBE_EXAMPLES = """[bold]Examples[/bold]
+
+  whisper-cli transcribe talk.mp3                      [dim]# text to stdout[/dim]
+  whisper-cli transcribe talk.mp3 -f srt > talk.srt    [dim]# subtitles[/dim]
+  whisper-cli transcribe calls/ -r -o out -f all       [dim]# out/ mirrors calls/[/dim]
+  curl -s URL | whisper-cli transcribe - -l German     [dim]# from stdin[/dim]
+  whisper-cli transcribe *.wav -f jsonl -q | jq .text  [dim]# a JSON line each[/dim]
+"""
 
 
 def _stderr(message: str) -> None:
@@ -144,151 +375,35 @@ def _fail(exc: WhisperCliError, debug: bool) -> typer.Exit:
     return typer.Exit(exc.exit_code)
 
 
-def _load(model: str | None, dtype: Dtype, device: str, quiet: bool):
-    from whisper_cli.dtypes import resolve_policy
-    from whisper_cli.loading import default_model, load_model
+def transcribe_options(a: dict[str, Any], device_type: str) -> TranscribeOptions:
+    """TranscribeOptions from a command's parsed transcribe options (the names above).
 
-    policy = resolve_policy(dtype.value, device)
-    if model is None:
-        model = default_model(policy.device.type)
-    started = time.perf_counter()
-    loaded = load_model(model, policy)
-    if not quiet:
-        _stderr(
-            f"whisper-cli: model {model} ({loaded.path}), dtype {policy.name}, "
-            f"device {policy.device} [{time.perf_counter() - started:.1f} s]"
-        )
-    return loaded
+    The one place that maps them; it also refuses what is wrong or contradictory
+    without a model (bad language or channel, --multilingual with --language).
+    """
+    from whisper_cli.audio import parse_channel
+    from whisper_cli.pipeline import TranscribeOptions, check_options
+    from whisper_cli.tokenizer import language_code
 
-
-def _use_compile(choice: Compile, device_type: str) -> bool:
-    return choice == Compile.on or (choice == Compile.auto and device_type == "cuda")
-
-
-def _options(a: dict, device_type: str):
-    """TranscribeOptions from the transcription options of `transcribe` or `batch`."""
-    from whisper_cli.pipeline import TranscribeOptions
-
-    channel = a["channel"]
-    if channel is not None and channel.isdigit():
-        channel = int(channel)
-    return TranscribeOptions(
-        language=a["language"],
+    options = TranscribeOptions(
+        language=None if a["language"] is None else language_code(a["language"]),
         multilingual=a["multilingual"],
         task=a["task"].value,
-        timestamps=a["timestamps"],
+        timestamps=not a["no_timestamps"],
         batch_size=a["batch_size"],
         max_new_tokens=a["max_new_tokens"],
         initial_prompt=a["initial_prompt"],
-        channel=channel,
+        channel=parse_channel(a["channel"]),
         compile=_use_compile(a["compile"], device_type),
         vad=a["vad"],
         policy=_policy(a),
     )
+    check_options(options)
+    return options
 
 
-@app.command()
-def transcribe(
-    inputs: Annotated[list[str], typer.Argument(help="Audio files, directories, or - for stdin.")],
-    model: ModelOpt = None,
-    dtype: DtypeOpt = Dtype.auto,
-    device: DeviceOpt = "auto",
-    language: LanguageOpt = None,
-    multilingual: MultilingualOpt = False,
-    task: TaskOpt = Task.transcribe,
-    timestamps: TimestampsOpt = True,
-    batch_size: BatchSizeOpt = 16,
-    max_new_tokens: MaxNewTokensOpt = 224,
-    initial_prompt: InitialPromptOpt = None,
-    channel: ChannelOpt = None,
-    fmt: FormatOpt = Format.txt,
-    output_dir: Annotated[
-        Path | None, typer.Option("--output-dir", "-o", help="Write DIR/<stem>.<ext> files.")
-    ] = None,
-    recursive: Annotated[
-        bool, typer.Option("--recursive", "-r", help="Recurse into dirs.")
-    ] = False,
-    skip_existing: Annotated[
-        bool, typer.Option(help="Skip inputs whose outputs exist in --output-dir.")
-    ] = False,
-    compile: CompileOpt = Compile.auto,
-    vad: VadOpt = True,
-    vad_threshold: VadThresholdOpt = Policy.vad_threshold,
-    temperature: TemperatureOpt = TEMPERATURES,
-    no_speech_threshold: NoSpeechOpt = Policy.no_speech_threshold,
-    logprob_threshold: LogprobOpt = Policy.logprob_threshold,
-    compression_ratio_threshold: CompressionOpt = Policy.compression_ratio_threshold,
-    quiet: QuietOpt = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print segments.")] = False,
-    debug: DebugOpt = False,
-) -> None:
-    """Transcribe audio files (any format, any length) to text, subtitles or JSON."""
-    try:
-        code = _transcribe(**locals())
-    except WhisperCliError as exc:
-        raise _fail(exc, debug) from None
-    except KeyboardInterrupt:
-        _stderr("whisper-cli: interrupted; finished outputs are complete, no partial file left")
-        raise typer.Exit(EXIT_INTERRUPTED) from None
-    raise typer.Exit(code)
-
-
-def _transcribe(**a) -> int:
-    from whisper_cli.inputs import expand_inputs
-    from whisper_cli.outputs import OutputPlan
-
-    paths, input_errors = expand_inputs(a["inputs"], a["recursive"])
-    if a["inputs"].count("-") > 1:
-        raise WhisperCliError("stdin (-) can be given only once")
-    plan = OutputPlan.make(a["fmt"].value, a["output_dir"], len(paths) + len(input_errors))
-    plan.check_distinct(paths)
-    if a["skip_existing"]:
-        if a["output_dir"] is None:
-            raise WhisperCliError("--skip-existing needs --output-dir")
-        skipped = [p for p in paths if p != "-" and plan.is_done(p)]
-        paths = [p for p in paths if p not in skipped]
-        if skipped and not a["quiet"]:
-            _stderr(f"whisper-cli: skipping {len(skipped)} input(s) with existing outputs")
-    _policy(a)  # a usage error before the model loads
-    loaded = _load(a["model"], a["dtype"], a["device"], a["quiet"])
-    from whisper_cli.pipeline import Transcriber
-
-    transcriber = Transcriber(loaded, _options(a, loaded.policy.device.type))
-    failures = 0
-    for err in input_errors:
-        _stderr(f"whisper-cli: error: {err.message}")
-        failures += 1
-
-    def on_error(err: WhisperCliError) -> None:
-        nonlocal failures
-        _check_interrupt()  # a read cut short by Ctrl-C is not a damaged file
-        failures += 1
-        _stderr(f"whisper-cli: error: {err.message}")
-
-    def on_result(t) -> None:
-        _check_interrupt()
-        if not a["quiet"] and t.language and loaded.tokenizer.is_multilingual:
-            prob = f" (p={t.language_probability:.2f})" if t.language_probability else ""
-            _stderr(f"whisper-cli: {t.path}: language {t.language}{prob}")
-        if a["verbose"]:
-            for s in t.segments:
-                _stderr(f"[{s.start:8.2f} --> {s.end:8.2f}] {s.text.strip()}")
-        plan.emit(t, sys.stdout)
-
-    with _progress(a["quiet"]) as report:
-
-        def on_progress(p) -> None:
-            _check_interrupt()
-            if report is not None:
-                report(p)
-
-        transcriber.run(paths, on_result, on_error, on_progress, stdin=sys.stdin.buffer)
-    _check_interrupt()
-    return EXIT_INPUT_FAILED if failures else EXIT_OK
-
-
-def _policy(a: dict) -> Policy:
-    """The policy of the options given (a usage error when they contradict each other)."""
+def _policy(a: dict[str, Any]) -> Policy:
+    """The policy of the options given (a usage error when they are invalid)."""
     try:
         temperatures = tuple(float(t) for t in a["temperature"].split(","))
     except ValueError:
@@ -308,39 +423,339 @@ def _policy(a: dict) -> Policy:
         raise WhisperCliError(f"invalid option: {exc}") from None
 
 
-class _progress:
-    """A Rich progress bar on stderr (audio seconds, RTFx, ETA), only on a terminal."""
+def _load(model: str | None, policy, term: _Terminal):
+    from whisper_cli.loading import default_model, load_model
 
-    def __init__(self, quiet: bool) -> None:
-        self.enabled = not quiet and sys.stderr.isatty()
+    if model is None:
+        model = default_model(policy.device.type)
+    started = time.perf_counter()
+    loaded = load_model(model, policy)
+    term.info(
+        f"model {model} ({loaded.path}), dtype {policy.name}, "
+        f"device {policy.device} [{time.perf_counter() - started:.1f} s]"
+    )
+    return loaded
+
+
+def _use_compile(choice: Compile, device_type: str) -> bool:
+    return choice == Compile.on or (choice == Compile.auto and device_type == "cuda")
+
+
+@app.command(cls=_Command, epilog=TRANSCRIBE_EXAMPLES)
+def transcribe(
+    inputs: InputsArg,
+    fmt: FormatOpt = Format.txt,
+    output_dir: OutputDirOpt = None,
+    recursive: RecursiveOpt = False,
+    skip_existing: SkipExistingOpt = False,
+    channel: ChannelOpt = None,
+    model: ModelOpt = None,
+    dtype: DtypeOpt = Dtype.auto,
+    device: DeviceOpt = "auto",
+    language: LanguageOpt = None,
+    multilingual: MultilingualOpt = False,
+    task: TaskOpt = Task.transcribe,
+    no_timestamps: NoTimestampsOpt = False,
+    max_new_tokens: MaxNewTokensOpt = 224,
+    initial_prompt: InitialPromptOpt = None,
+    temperature: TemperatureOpt = TEMPERATURES,
+    vad: VadOpt = True,
+    vad_threshold: VadThresholdOpt = Policy.vad_threshold,
+    no_speech_threshold: NoSpeechThresholdOpt = Policy.no_speech_threshold,
+    logprob_threshold: LogprobThresholdOpt = Policy.logprob_threshold,
+    compression_ratio_threshold: CompressionRatioThresholdOpt = Policy.compression_ratio_threshold,
+    batch_size: BatchSizeOpt = 16,
+    compile: CompileOpt = Compile.auto,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Transcribe audio files (any format, any length) to text, subtitles or JSON."""
+    a = dict(locals())
+    term = _Terminal(quiet=quiet, verbose=verbose)
+    try:
+        with term.session():
+            code = _transcribe(a, term)
+    except _StdoutClosed:
+        _silence_stdout()
+        raise typer.Exit(EXIT_BROKEN_PIPE) from None
+    except WhisperCliError as exc:
+        raise _fail(exc, debug) from None
+    except KeyboardInterrupt:
+        _stderr("whisper-cli: interrupted; finished outputs are complete, no partial file left")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    raise typer.Exit(code)
+
+
+class _StdoutClosed(Exception):
+    """The reader of stdout went away (`| head -1`): stop quietly."""
+
+
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null, so the interpreter's last flush of stdout cannot fail."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def _write_stdout(term: _Terminal, write) -> None:
+    try:
+        with term.above_progress():
+            write()
+    except BrokenPipeError:
+        raise _StdoutClosed from None
+    except OSError as exc:  # a full disk (> /dev/full), an I/O error
+        _silence_stdout()
+        raise WhisperCliError(f"cannot write to stdout: {exc.strerror or exc}") from None
+
+
+def _transcribe(a: dict[str, Any], term: _Terminal) -> int:
+    from whisper_cli.inputs import expand_inputs
+    from whisper_cli.outputs import OutputPlan
+
+    started = time.perf_counter()
+    if a["quiet"] and a["verbose"]:
+        raise WhisperCliError("--quiet and --verbose contradict each other; give one")
+    if a["inputs"].count("-") > 1:
+        raise WhisperCliError("stdin (-) can be given only once")
+    expanded = expand_inputs(a["inputs"], a["recursive"])
+    files = expanded.files
+    n_inputs = len(files) + len(expanded.errors)
+    plan = OutputPlan.make(a["fmt"].value, a["output_dir"], files, n_inputs)
+    plan.check_distinct([f.path for f in files])
+    skipped = []
+    if a["skip_existing"]:
+        if a["output_dir"] is None:
+            raise WhisperCliError("--skip-existing needs --output-dir")
+        skipped = [f for f in files if f.path != "-" and plan.is_done(f.path)]
+        files = [f for f in files if f not in skipped]
+    plan.prepare()  # output folders exist and take a file, before any work
+    try:
+        return _run(a, term, plan, expanded, files, skipped, started)
+    finally:
+        plan.remove_created()  # nothing was written there: leave no empty folder behind
+
+
+def _run(a, term: _Terminal, plan, expanded, files, skipped, started: float) -> int:
+    """The rest of _transcribe, once the output folders exist."""
+    for path in dict.fromkeys(expanded.duplicates):
+        term.info(f"{path} is named more than once; transcribed once")
+    if skipped:
+        term.info(f"skipping {len(skipped)} input(s) with existing outputs")
+
+    from whisper_cli.audio import open_audio
+    from whisper_cli.dtypes import resolve_policy
+    from whisper_cli.errors import InputError
+
+    policy = resolve_policy(a["dtype"].value, a["device"])
+    options = transcribe_options(a, policy.device.type)
+    failures = 0
+
+    def on_error(err: WhisperCliError) -> None:
+        nonlocal failures
+        _check_interrupt()  # a read cut short by Ctrl-C is not a damaged file
+        failures += 1
+        term.error(err.message)
+
+    for err in expanded.errors:
+        on_error(err)
+    # Every input is opened (and so validated) before the model loads.
+    sources = []
+    for f in files:
+        try:
+            sources.append(open_audio(f.path, options.channel, stdin=sys.stdin.buffer))
+        except InputError as err:
+            on_error(err)
+    written, audio_seconds = 0, 0.0
+    n_inputs = len(expanded.files) + len(expanded.errors)
+    if sources:
+        loaded = _load(a["model"], policy, term)
+        from whisper_cli.pipeline import Transcriber
+
+        transcriber = Transcriber(loaded, options)
+
+        def on_result(t) -> None:
+            nonlocal written, audio_seconds
+            _check_interrupt()
+            if t.language and loaded.tokenizer.is_multilingual:
+                prob = f" (p={t.language_probability:.2f})" if t.language_probability else ""
+                term.info(f"{t.path}: language {t.language}{prob}")
+            if a["verbose"]:
+                for s in t.segments:
+                    term.line(f"[{s.start:8.2f} --> {s.end:8.2f}] {s.text.strip()}")
+            for note in t.notes:
+                term.warning(f"{t.path}: {note}")
+            if not t.segments and not t.notes:
+                term.info(f"{t.path}: no speech found")
+            if plan.output_dir is None:
+                _write_stdout(term, lambda: plan.emit(t, sys.stdout))
+            else:
+                plan.emit(t, sys.stdout)
+            written += 1
+            audio_seconds += t.duration
+            term.file_done()
+
+        def on_input_error(err: WhisperCliError) -> None:
+            on_error(err)
+            term.file_done()
+
+        total = sum(s.info.duration or 0.0 for s in sources)
+        with term.progress(len(sources), total if all(s.info.duration for s in sources) else None):
+            transcriber.run(sources, on_result, on_input_error, term.update)
+    _check_interrupt()
+    if n_inputs > 1:
+        parts = [f"{written} written", f"{failures} failed"]
+        if skipped:
+            parts.append(f"{len(skipped)} skipped")
+        term.info(
+            f"{', '.join(parts)}, {_duration(audio_seconds)} of audio "
+            f"in {_duration(time.perf_counter() - started)}"
+        )
+    return EXIT_INPUT_FAILED if failures else EXIT_OK
+
+
+def _duration(seconds: float) -> str:
+    """12 s, 12 min, 1 h 05 min: the summary's scale."""
+    if seconds < 60:
+        return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+    minutes = round(seconds / 60)
+    if minutes < 60:
+        return f"{minutes} min"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+class _Terminal:
+    """What the transcribe command shows on stderr: messages, warnings, the progress bar.
+
+    The bar (Rich, only when stderr is a terminal) draws on its own duplicate of fd 2,
+    so that it is untouched while the audio reader captures fd 2 around C decoders. Lines
+    printed while it is drawn go above it; transcripts written to a terminal stdout pause
+    it. It is stopped (the cursor shown again) on every way out of `progress`.
+    """
+
+    def __init__(self, *, quiet: bool, verbose: bool) -> None:
+        self.quiet = quiet
+        self.verbose = verbose
         self.bar = None
+        self._task = None
+        self._files = (0, 0)  # done, total
+        self._last = None  # the latest pipeline Progress
 
-    def __enter__(self):
-        if not self.enabled:
-            return None
+    # -- messages -----------------------------------------------------------------------
+
+    def line(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        else:
+            _stderr(text)
+
+    def info(self, text: str) -> None:
+        if not self.quiet:
+            self.line(f"whisper-cli: {text}")
+
+    def warning(self, text: str) -> None:
+        if not self.quiet:
+            self.line(f"whisper-cli: warning: {text}")
+
+    def error(self, text: str) -> None:
+        self.line(f"whisper-cli: error: {text}")
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Python warnings become one `whisper-cli: warning:` line each while it lasts.
+
+        Ours (WhisperCliWarning, or raised in this package) unless --quiet; what the audio
+        decoders said and other libraries' warnings only with --verbose.
+        """
+        package = os.path.dirname(os.path.abspath(__file__))
+
+        def show(message, category, filename, lineno, file=None, line=None) -> None:
+            ours = issubclass(category, WhisperCliWarning) or os.path.abspath(filename).startswith(
+                package + os.sep
+            )
+            if (issubclass(category, DecoderMessage) or not ours) and not self.verbose:
+                return
+            self.warning(" ".join(str(message).split()))
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", WhisperCliWarning)
+            warnings.showwarning = show
+            yield
+
+    # -- progress -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def progress(self, n_files: int, total: float | None) -> Iterator[None]:
+        if self.quiet or not sys.stderr.isatty():
+            yield
+            return
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.bar = Progress(
-            TextColumn("[progress.description]{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed:.0f}/{task.total:.0f} s audio"),
-            TextColumn("RTFx {task.fields[rtfx]:.1f}"),
-            TimeRemainingColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        )
-        self.bar.start()
-        self.task = self.bar.add_task("transcribing", total=None, rtfx=0.0)
-        return self.update
+        self._files = (0, n_files)
+        self._total = total
+        tty = os.fdopen(os.dup(sys.stderr.fileno()), "w", encoding="utf-8", errors="replace")
+        try:
+            bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.fields[audio]}"),
+                TextColumn("{task.fields[speed]}"),
+                TimeRemainingColumn(),
+                console=Console(file=tty),
+                transient=True,
+                redirect_stdout=False,
+                redirect_stderr=False,
+            )
+            self._task = bar.add_task(self._description(), total=total, **self._fields(0.0, 0.0))
+            self.bar = bar
+            bar.start()
+            yield
+        finally:
+            self.bar = None
+            with contextlib.suppress(Exception):
+                bar.stop()  # shows the cursor again
+            tty.close()
+
+    def _description(self) -> str:
+        done, n = self._files
+        return f"transcribing {done}/{n} files" if n > 1 else "transcribing"
+
+    def _fields(self, done: float, elapsed: float) -> dict[str, str]:
+        total = f"/{self._total:.0f}" if self._total else ""
+        speed = f"{done / elapsed:.1f}x real time" if elapsed > 0 and done > 0 else ""
+        return {"audio": f"{done:.0f}{total} s audio", "speed": speed}
 
     def update(self, p) -> None:
-        rtfx = p.audio_done / p.elapsed if p.elapsed > 0 else 0.0
-        self.bar.update(self.task, completed=p.audio_done, total=p.audio_total or None, rtfx=rtfx)
-
-    def __exit__(self, *exc) -> None:
+        _check_interrupt()
+        self._last = p
         if self.bar is not None:
-            self.bar.stop()
+            self.bar.update(
+                self._task,
+                completed=p.audio_done,
+                description=self._description(),
+                **self._fields(p.audio_done, p.elapsed),
+            )
+
+    def file_done(self) -> None:
+        done, n = self._files
+        self._files = (done + 1, n)
+        if self.bar is not None:
+            self.bar.update(self._task, description=self._description())
+
+    @contextlib.contextmanager
+    def above_progress(self) -> Iterator[None]:
+        """Write to stdout: when it is the terminal the bar is on, the bar steps aside."""
+        bar = self.bar
+        if bar is None or not sys.stdout.isatty():
+            yield
+            return
+        bar.stop()
+        try:
+            yield
+        finally:
+            bar.start()
 
 
 class Engine(str, Enum):
@@ -348,7 +763,7 @@ class Engine(str, Enum):
     ray = "ray"
 
 
-@app.command()
+@app.command(cls=_Command)
 def batch(
     manifest: Annotated[
         str,
@@ -394,19 +809,19 @@ def batch(
     language: LanguageOpt = None,
     multilingual: MultilingualOpt = False,
     task: TaskOpt = Task.transcribe,
-    timestamps: TimestampsOpt = True,
+    no_timestamps: NoTimestampsOpt = False,
     batch_size: BatchSizeOpt = 16,
     max_new_tokens: MaxNewTokensOpt = 224,
     initial_prompt: InitialPromptOpt = None,
     channel: ChannelOpt = None,
     fmt: FormatOpt = Format.txt,
     compile: CompileOpt = Compile.auto,
+    temperature: TemperatureOpt = TEMPERATURES,
     vad: VadOpt = True,
     vad_threshold: VadThresholdOpt = Policy.vad_threshold,
-    temperature: TemperatureOpt = TEMPERATURES,
-    no_speech_threshold: NoSpeechOpt = Policy.no_speech_threshold,
-    logprob_threshold: LogprobOpt = Policy.logprob_threshold,
-    compression_ratio_threshold: CompressionOpt = Policy.compression_ratio_threshold,
+    no_speech_threshold: NoSpeechThresholdOpt = Policy.no_speech_threshold,
+    logprob_threshold: LogprobThresholdOpt = Policy.logprob_threshold,
+    compression_ratio_threshold: CompressionRatioThresholdOpt = Policy.compression_ratio_threshold,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -450,7 +865,11 @@ def _batch(**a) -> int:
 
     with _batch_progress(quiet) as on_progress:
         report = run_batch(
-            config, lambda device_type: _options(a, device_type), on_record, on_progress, log
+            config,
+            lambda device_type: transcribe_options(a, device_type),
+            on_record,
+            on_progress,
+            log,
         )
     _check_interrupt()
     log(
@@ -546,14 +965,15 @@ def eval_command(
     from whisper_cli.evaluate import evaluate, render_table, report_to_json
 
     try:
-        report = evaluate(
-            manifest,
-            model or "base",
-            dtype.split(","),
-            device=device,
-            batch_size=batch_size,
-            vad=vad,
-        )
+        with _Terminal(quiet=False, verbose=False).session():
+            report = evaluate(
+                manifest,
+                model or "base",
+                dtype.split(","),
+                device=device,
+                batch_size=batch_size,
+                vad=vad,
+            )
     except WhisperCliError as exc:
         raise _fail(exc, debug) from None
     print(json.dumps(report_to_json(report), indent=2) if json_out else render_table(report))
@@ -586,9 +1006,10 @@ def bench(
     import json
 
     from whisper_cli.bench import BenchConfig, render_table, report_to_json, run_bench
+    from whisper_cli.loading import default_model
 
     config = BenchConfig(
-        model=model or ("turbo" if device.startswith("cuda") else "base"),
+        model=model or default_model("cuda" if device.startswith("cuda") else "cpu"),
         dtypes=tuple(dtype.split(",")),
         batch_size=batch_size,
         audio=audio,
@@ -602,7 +1023,8 @@ def bench(
         device=device,
     )
     try:
-        report = run_bench(config, on_progress=_stderr)
+        with _Terminal(quiet=False, verbose=False).session():
+            report = run_bench(config, on_progress=_stderr)
     except WhisperCliError as exc:
         raise _fail(exc, debug) from None
     print(json.dumps(report_to_json(report), indent=2) if json_out else render_table(report))

@@ -45,6 +45,7 @@ class DecodedRow:
     no_speech_prob: float
     language: str | None
     looped: bool = False  # stopped by the repetition guard
+    hit_max_tokens: bool = False  # used all of max_new_tokens without ending
     temperature: float = 0.0
 
 
@@ -234,6 +235,7 @@ class GreedyDecoder:
                     no_speech_prob=float(no_speech[r]),
                     language=languages[r],
                     looped=cut >= 0,
+                    hit_max_tokens=cut < 0 and eot not in seq,
                     temperature=temperatures[r],
                 )
             )

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 # Exit codes shared by the CLI and the library's error kinds.
 EXIT_OK = 0
 EXIT_INPUT_FAILED = 1  # one or more inputs failed; the others completed
 EXIT_USAGE = 2  # run-level error before any work started
 EXIT_INTERRUPTED = 130  # SIGINT
+EXIT_BROKEN_PIPE = 141  # stdout closed by its reader (`| head`): 128 + SIGPIPE, as `cat` exits
 
 
 class WhisperCliError(Exception):
@@ -29,3 +32,17 @@ class InputError(WhisperCliError):
         super().__init__(f"{path}: {problem}", exit_code=EXIT_INPUT_FAILED)
         self.path = path
         self.problem = problem
+
+
+class WhisperCliWarning(RuntimeWarning):
+    """Something the user should know about a run that still succeeds (the CLI prints
+    each as one ``whisper-cli: warning:`` line; ``--quiet`` hides them)."""
+
+
+class DecoderMessage(WhisperCliWarning):
+    """What a C decoder (libmpg123, FFmpeg) printed while reading an input that then
+    decoded fine; the CLI shows these only with ``--verbose``."""
+
+
+# Decoder chatter is for debugging: hidden unless asked for (the CLI shows it with -v).
+warnings.filterwarnings("ignore", category=DecoderMessage)

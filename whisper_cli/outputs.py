@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import os
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.formats import FORMATS, output_path, render, write_atomic
+from whisper_cli.inputs import InputFile
 from whisper_cli.results import Transcript
 
 STREAMABLE = ("txt", "jsonl")  # formats that concatenate cleanly on stdout
@@ -18,10 +22,19 @@ class OutputPlan:
     formats: tuple[str, ...]
     output_dir: Path | None
     multiple_inputs: bool
+    # Each input's folder below output_dir (a mirrored tree with --recursive).
+    subdirs: dict[str, Path] = field(default_factory=dict)
+    # Folders prepare() created, so that a run that fails before writing leaves none.
+    created: list[Path] = field(default_factory=list)
 
     @classmethod
-    def make(cls, fmt: str, output_dir: Path | None, n_inputs: int) -> OutputPlan:
-        """Validate a --format / --output-dir combination (a usage error if impossible)."""
+    def make(
+        cls, fmt: str, output_dir: Path | None, inputs: list[InputFile], n_inputs: int
+    ) -> OutputPlan:
+        """Validate a --format / --output-dir combination (a usage error if impossible).
+
+        ``n_inputs`` counts every input argument, also those that already failed.
+        """
         formats = FORMATS if fmt == "all" else (fmt,)
         if fmt != "all" and fmt not in FORMATS:
             raise WhisperCliError(
@@ -37,16 +50,18 @@ class OutputPlan:
                     f"--format {fmt} for several inputs needs --output-dir "
                     f"(only {' and '.join(STREAMABLE)} can go to stdout together)"
                 )
-        return cls(formats, output_dir, n_inputs > 1)
+        subdirs = {i.path: i.subdir for i in inputs}
+        return cls(formats, output_dir, n_inputs > 1, subdirs)
 
     def paths(self, input_path: str) -> list[Path]:
         assert self.output_dir is not None
-        return [output_path(self.output_dir, input_path, f) for f in self.formats]
+        folder = self.output_dir / self.subdirs.get(input_path, Path())
+        return [output_path(folder, input_path, f) for f in self.formats]
 
     def check_distinct(self, input_paths: list[str]) -> None:
-        """Refuse two inputs whose outputs share a name (a/x.wav and a/sub/x.mp3 -> x.txt).
+        """Refuse two inputs whose outputs share a name (a/x.wav and a/x.mp3 -> x.txt).
 
-        One would silently overwrite the other; naming the same file twice is harmless.
+        One would silently overwrite the other.
         """
         if self.output_dir is None:
             return
@@ -54,19 +69,60 @@ class OutputPlan:
         for input_path in input_paths:
             target = self.paths(input_path)[0]
             other = seen.setdefault(target, input_path)
-            if other != input_path and not _same_file(other, input_path):
+            if other != input_path:
                 raise WhisperCliError(
                     f"{other} and {input_path} would both be written to "
                     f"{target.with_suffix('.*') if len(self.formats) > 1 else target}; "
-                    "rename one or transcribe them in separate runs"
+                    "rename one, or give each its own --output-dir"
                 )
+
+    def prepare(self) -> None:
+        """Create every output folder and prove it takes a file: before any work starts.
+
+        A read-only directory, a path under a regular file or a full disk is found here,
+        not after the model has loaded and the first input has been decoded.
+        """
+        if self.output_dir is None:
+            return
+        for folder in dict.fromkeys(p.parent for i in self.subdirs for p in self.paths(i)):
+            missing = [d for d in (folder, *folder.parents) if not d.exists()][::-1]
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                self.remove_created()
+                raise WhisperCliError(
+                    f"cannot create output directory {folder}: {exc.strerror or exc}"
+                ) from exc
+            self.created.extend(missing)
+            try:
+                with tempfile.TemporaryFile(dir=folder, prefix=".whisper-cli-") as probe:
+                    probe.write(b"\n")
+                    probe.flush()
+                    os.fsync(probe.fileno())
+            except OSError as exc:
+                self.remove_created()
+                raise WhisperCliError(
+                    f"cannot write to output directory {folder}: {exc.strerror or exc}"
+                ) from exc
+
+    def remove_created(self) -> None:
+        """Remove the folders prepare() created that are still empty (deepest first): a
+        run, or an input, that failed leaves no empty folder behind."""
+        for folder in reversed(self.created):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        self.created.clear()
 
     def is_done(self, input_path: str) -> bool:
         """All outputs of this input exist already (for --skip-existing)."""
         return self.output_dir is not None and all(p.exists() for p in self.paths(input_path))
 
     def emit(self, transcript: Transcript, stdout: TextIO) -> list[Path]:
-        """Write one transcript; returns the files written (none when it went to stdout)."""
+        """Write one transcript; returns the files written (none when it went to stdout).
+
+        Writing to stdout lets OSError through (BrokenPipeError, a full disk): what they
+        mean is the caller's to say.
+        """
         if self.output_dir is None:
             fmt = self.formats[0]
             if fmt == "txt" and self.multiple_inputs:
@@ -82,10 +138,3 @@ class OutputPlan:
                 raise WhisperCliError(f"cannot write {path}: {exc.strerror or exc}") from exc
             written.append(path)
         return written
-
-
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return Path(a).samefile(b)
-    except OSError:  # missing (reported later as an input error) or stdin
-        return False

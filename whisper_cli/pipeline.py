@@ -70,6 +70,11 @@ class _Input:
     segments: list[Segment] = field(default_factory=list)
     pending: int = 0  # windows cut but not finally decoded yet
     done_to: float = 0.0  # seconds: the end of its latest finally decoded window
+    windows: int = 0  # windows cut so far
+    # Text the guards or limits cut, reported as the transcript's notes (see _notes).
+    hit_max_tokens: int = 0  # windows that used all of max_new_tokens without ending
+    looped: int = 0  # windows that looped at every temperature (cut by the guard)
+    too_repetitive: int = 0  # segments dropped above compression_ratio_threshold
     cut_done: bool = False  # the last window of this input has been cut
     started: float = field(default_factory=time.perf_counter)
 
@@ -84,13 +89,23 @@ class _Job:
     candidates: list[DecodedRow] = field(default_factory=list)  # earlier attempts
 
 
-def validate_options(loaded: LoadedModel, options: TranscribeOptions) -> None:
-    """Run-level checks, before any work starts."""
-    tokenizer = loaded.tokenizer
+def check_options(options: TranscribeOptions) -> None:
+    """Run-level checks that need no model (the CLI makes them before loading one)."""
     if options.task not in TASKS:
         raise WhisperCliError(f"invalid task {options.task!r}; choose transcribe or translate")
     if options.batch_size < 1:
         raise WhisperCliError("--batch-size must be at least 1")
+    if options.language is not None and options.multilingual:
+        raise WhisperCliError(
+            f"--multilingual detects the language of every window; it contradicts "
+            f"--language {options.language}"
+        )
+
+
+def validate_options(loaded: LoadedModel, options: TranscribeOptions) -> None:
+    """Run-level checks, before any work starts."""
+    check_options(options)
+    tokenizer = loaded.tokenizer
     if options.language is not None:
         if not tokenizer.is_multilingual and options.language != "en":
             raise WhisperCliError(
@@ -99,6 +114,10 @@ def validate_options(loaded: LoadedModel, options: TranscribeOptions) -> None:
             )
         if tokenizer.is_multilingual:
             tokenizer.language_id(options.language)
+    if not tokenizer.is_multilingual and options.multilingual:
+        raise WhisperCliError(
+            f"{loaded.name} is an English-only model; --multilingual needs a multilingual one"
+        )
     if not tokenizer.is_multilingual and options.task == "translate":
         raise WhisperCliError(f"{loaded.name} is an English-only model; it cannot translate")
 
@@ -160,21 +179,28 @@ class Transcriber:
 
     def run(
         self,
-        paths: Iterable[str],
+        paths: Iterable[str | AudioSource],
         on_result: Callable[[Transcript], None],
         on_error: Callable[[InputError], None],
         on_progress: Callable[[Progress], None] | None = None,
         stdin=None,
     ) -> None:
-        """Transcribe every path; each result or per-input error is reported as it happens."""
+        """Transcribe every path; each result or per-input error is reported as it happens.
+
+        An input may also be an AudioSource already opened (and so validated) by the caller.
+        """
         inputs: list[_Input] = []
         for path in paths:
             try:
-                source = open_audio(path, channel=self.options.channel, stdin=stdin)
+                source = (
+                    path
+                    if isinstance(path, AudioSource)
+                    else open_audio(path, channel=self.options.channel, stdin=stdin)
+                )
             except InputError as exc:
                 on_error(exc)
                 continue
-            inputs.append(_Input(len(inputs), path, source))
+            inputs.append(_Input(len(inputs), source.info.path, source))
         total = sum(i.source.info.duration or 0.0 for i in inputs)
         started = time.perf_counter()
         failed: set[int] = set()
@@ -222,6 +248,7 @@ class Transcriber:
                     # (not only when a later batch happens to hold one of its windows).
                     following = next(windows, None)
                     item.pending += 1
+                    item.windows += 1
                     item.cut_done = following is None
                     if item.cut_done:
                         item.duration = cutter.samples / SAMPLE_RATE
@@ -326,7 +353,13 @@ class Transcriber:
                 again.append(job)
                 continue
             row = self._best([*job.candidates, row])
-            inputs[job.window.source].segments.extend(self._segments(job.window, row))
+            item = inputs[job.window.source]
+            segments, repetitive = self._segments(job.window, row)
+            if not self._is_silent(row):
+                item.hit_max_tokens += row.hit_max_tokens
+                item.looped += row.looped
+            item.too_repetitive += repetitive
+            item.segments.extend(segments)
         return again
 
     def _seed(self, job: _Job) -> int:
@@ -365,10 +398,13 @@ class Transcriber:
         text = self.loaded.tokenizer.decode([t for t in row.tokens if t < ts_begin])
         return compression_ratio(text)
 
-    def _segments(self, window: Window, row: DecodedRow) -> list[Segment]:
-        """The row's segments in input time; none for a silent row, none over non-speech."""
+    def _segments(self, window: Window, row: DecodedRow) -> tuple[list[Segment], int]:
+        """The row's segments in input time, and how many were dropped as repetitive.
+
+        None for a silent row; none that lies over what the speech map calls non-speech.
+        """
         if self._is_silent(row):
-            return []
+            return [], 0
         p = self.policy
         segments = window_segments(
             row.tokens,
@@ -379,15 +415,16 @@ class Transcriber:
             no_speech_prob=row.no_speech_prob,
             language=row.language,
         )
-        kept = []
+        kept, repetitive = [], 0
         for s in segments:
             if s.compression_ratio > p.compression_ratio_threshold:
-                continue  # a loop that survived every temperature
+                repetitive += 1  # a loop that survived every temperature
+                continue
             share = window.speech_share(s.start - window.start, s.end - window.start)
             if self.options.vad and share < p.segment_min_speech:
                 continue  # text written over what the speech map calls non-speech
             kept.append(s)
-        return kept
+        return kept, repetitive
 
     def _is_silent(self, row: DecodedRow) -> bool:
         """openai-whisper's rule: likely no speech, and the text is not confidently decoded.
@@ -479,7 +516,28 @@ class Transcriber:
             model=self.loaded.name,
             dtype=dtype_name(self.loaded.policy.dtype),
             timings={"wall": round(time.perf_counter() - item.started, 3)},
+            notes=self._notes(item),
         )
+
+    def _notes(self, item: _Input) -> tuple[str, ...]:
+        """What the user should know was cut from this transcript (none: nothing was)."""
+        o, p, notes = self.options, self.policy, []
+        if item.hit_max_tokens:
+            notes.append(
+                f"{item.hit_max_tokens} of {item.windows} window(s) reached --max-new-tokens "
+                f"{o.max_new_tokens} before their end; the text after that is missing"
+            )
+        if item.looped:
+            notes.append(
+                f"{item.looped} window(s) kept repeating themselves at every temperature and "
+                "were cut by the repetition guard; the rest of those windows is missing"
+            )
+        if item.too_repetitive:
+            notes.append(
+                f"{item.too_repetitive} segment(s) dropped as repetitive (above "
+                f"--compression-ratio-threshold {p.compression_ratio_threshold:g})"
+            )
+        return tuple(notes)
 
 
 def speech_after_timestamps(

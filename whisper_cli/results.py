@@ -32,3 +32,6 @@ class Transcript:
     model: str = ""
     dtype: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    # Text the run's limits or guards cut (--max-new-tokens, the repetition and
+    # compression-ratio guards), one sentence each; empty when nothing was cut.
+    notes: tuple[str, ...] = ()

@@ -17,6 +17,58 @@ from whisper_cli.errors import WhisperCliError
 TIME_PRECISION = 0.02  # seconds per timestamp token
 _LANGUAGE_TOKEN = re.compile(r"^<\|([a-z]{2,3})\|>$")
 
+# The languages of Whisper's vocabularies (large-v3 added yue), by their English names,
+# so that `--language German` works as well as `--language de`. Which of them a model
+# knows is read from its tokenizer; this table only turns names into codes.
+LANGUAGE_NAMES: dict[str, str] = {
+    "en": "english", "zh": "chinese", "de": "german", "es": "spanish", "ru": "russian",
+    "ko": "korean", "fr": "french", "ja": "japanese", "pt": "portuguese", "tr": "turkish",
+    "pl": "polish", "ca": "catalan", "nl": "dutch", "ar": "arabic", "sv": "swedish",
+    "it": "italian", "id": "indonesian", "hi": "hindi", "fi": "finnish", "vi": "vietnamese",
+    "he": "hebrew", "uk": "ukrainian", "el": "greek", "ms": "malay", "cs": "czech",
+    "ro": "romanian", "da": "danish", "hu": "hungarian", "ta": "tamil", "no": "norwegian",
+    "th": "thai", "ur": "urdu", "hr": "croatian", "bg": "bulgarian", "lt": "lithuanian",
+    "la": "latin", "mi": "maori", "ml": "malayalam", "cy": "welsh", "sk": "slovak",
+    "te": "telugu", "fa": "persian", "lv": "latvian", "bn": "bengali", "sr": "serbian",
+    "az": "azerbaijani", "sl": "slovenian", "kn": "kannada", "et": "estonian",
+    "mk": "macedonian", "br": "breton", "eu": "basque", "is": "icelandic", "hy": "armenian",
+    "ne": "nepali", "mn": "mongolian", "bs": "bosnian", "kk": "kazakh", "sq": "albanian",
+    "sw": "swahili", "gl": "galician", "mr": "marathi", "pa": "punjabi", "si": "sinhala",
+    "km": "khmer", "sn": "shona", "yo": "yoruba", "so": "somali", "af": "afrikaans",
+    "oc": "occitan", "ka": "georgian", "be": "belarusian", "tg": "tajik", "sd": "sindhi",
+    "gu": "gujarati", "am": "amharic", "yi": "yiddish", "lo": "lao", "uz": "uzbek",
+    "fo": "faroese", "ht": "haitian creole", "ps": "pashto", "tk": "turkmen",
+    "nn": "nynorsk", "mt": "maltese", "sa": "sanskrit", "lb": "luxembourgish",
+    "my": "myanmar", "bo": "tibetan", "tl": "tagalog", "mg": "malagasy", "as": "assamese",
+    "tt": "tatar", "haw": "hawaiian", "ln": "lingala", "ha": "hausa", "ba": "bashkir",
+    "jw": "javanese", "su": "sundanese", "yue": "cantonese",
+}  # fmt: skip
+# Other names people use for some of them.
+_LANGUAGE_ALIASES = {
+    "burmese": "my", "valencian": "ca", "flemish": "nl", "haitian": "ht", "pushto": "ps",
+    "panjabi": "pa", "moldavian": "ro", "moldovan": "ro", "sinhalese": "si",
+    "castilian": "es", "mandarin": "zh", "farsi": "fa", "letzeburgesch": "lb",
+    "norwegian bokmal": "no", "bokmal": "no", "filipino": "tl", "javanese": "jw",
+}  # fmt: skip
+_CODE_OF_NAME = {name: code for code, name in LANGUAGE_NAMES.items()} | _LANGUAGE_ALIASES
+
+
+def language_code(value: str) -> str:
+    """A language code or English name, any case ("EN", "English", "german") -> its code.
+
+    A usage error if it is neither; whether a given model knows the language is
+    checked later, against its tokenizer.
+    """
+    key = " ".join(value.replace("_", " ").split()).lower()
+    if key in LANGUAGE_NAMES:
+        return key
+    if key in _CODE_OF_NAME:
+        return _CODE_OF_NAME[key]
+    raise WhisperCliError(
+        f"unknown language {value!r}; give a code or an English name "
+        "(en or English, de or German, ...)"
+    )
+
 
 @dataclass(frozen=True)
 class SpecialTokens:
