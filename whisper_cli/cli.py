@@ -271,6 +271,7 @@ VadOpt = Annotated[
     bool,
     typer.Option(
         "--vad/--no-vad",
+        metavar="",
         help="Decode only where the speech detector (Silero VAD) hears speech; "
         "--no-vad decodes every window, for audio that defeats the detector.",
         rich_help_panel=PANEL_GUARDS,
