@@ -144,8 +144,8 @@ class WindowCutter:
                     self._run = (self._run[0], i + 1)
             elif self._run is not None and i + 1 - self._run[1] >= self.min_silence:
                 yield from self._close_run()
-            if self._run is not None and self._frame - self._piece_from > self.max_frames:
-                yield from self._split_run()
+            if self._run is not None and self._frame - self._window_start() > self.max_frames:
+                yield from self._split()
         self._drop_unneeded_audio()
 
     def _last_piece_end(self) -> int:
@@ -163,28 +163,42 @@ class WindowCutter:
         end = min(last + self.pad, self._frame) if self.vad else self._frame
         yield from self._add_piece(self._piece_from, end)
 
-    def _split_run(self) -> Iterator[Window]:
-        """The open stretch is longer than a window: cut it where it is least speech-like.
+    def _window_start(self) -> int:
+        return self._pieces[0][0] if self._pieces else self._piece_from
+
+    def _split(self) -> Iterator[Window]:
+        """The window being filled, with the open stretch, is longer than 30 s: cut it where
+        it is least speech-like, so that windows come out full.
 
         In the last `search` frames before the limit: the middle of the longest run of
-        non-speech frames (a pause too short to end the stretch) if there is one, else the
-        frame of least speech probability (a 3-frame mean: one dip is not a pause).
+        non-speech frames (a pause too short to end the stretch, or the gap before it) if
+        there is one, else the frame of least speech probability (a 3-frame mean: one dip
+        is not a pause). A cut before the open stretch starts ends the window at its last
+        piece; a cut inside it ends the window there and the stretch goes on from the cut
+        (with the detector on, from a pad before the pause ends: the pause is not decoded).
         """
-        start = self._piece_from
-        limit = start + self.max_frames
+        limit = self._window_start() + self.max_frames
         first = limit - self.search
         quiet = ~np.array(self._speech_frames(first, limit), dtype=bool)
         if quiet.any():
             run_first, run_last = longest_run(quiet)
-            cut = first + (run_first + run_last + 1) // 2
+            cut = resume = first + (run_first + run_last + 1) // 2
+            if self.vad:  # the pause itself need not be decoded: a pad either side of it
+                cut = min(cut, first + run_first + self.pad)
+                resume = max(resume, first + run_last + 1 - self.pad)
         else:
             probs = self.stream.map()[first:limit]
             smooth = np.convolve(np.pad(probs, 1, mode="edge"), np.ones(3) / 3, mode="valid")
-            cut = first + int(np.argmin(smooth))
-        cut = max(cut, start + 1)
-        yield from self._add_piece(start, cut)
-        self._piece_from = cut
-        self._run = (cut, max(self._run[1], cut)) if self._run else None
+            cut = resume = first + int(np.argmin(smooth))
+        if self._pieces and cut <= self._piece_from:
+            yield from self._emit()  # the stretch starts after the cut: it opens the next one
+            return
+        cut = max(cut, self._piece_from + 1)
+        resume = max(resume, cut)
+        yield from self._add_piece(self._piece_from, cut)
+        yield from self._emit()
+        self._piece_from = resume
+        self._run = (resume, max(self._run[1], resume)) if self._run else None
 
     def _add_piece(self, start: int, end: int) -> Iterator[Window]:
         if end <= start:
