@@ -137,6 +137,8 @@ def _fake_result(**change) -> ConfigResult:
         encoder_ms_per_window=100.0,
         decode_ms_per_step=40.0,
         tokens_per_s=250.0,
+        detector_s=0.4,
+        fallbacks=1,
         peak_memory_mb=700.0,
         peak_memory_kind="process peak RSS",
         language="en",
@@ -159,6 +161,7 @@ def test_render_table_and_json_of_a_report() -> None:
     rows = [line for line in table.splitlines() if line.startswith("| tiny.en")]
     assert len(rows) == 2
     assert "| 30.0 |" in rows[0] and "2.00x" in rows[1] and "3 words differ" in rows[1]
+    assert "| 2.0 |" in rows[0]  # the speech detector: 0.4 s of the 20 s run
     assert "FAILED tiny.en f16: boom" in table
     data = json.loads(json.dumps(report_to_json(report)))  # plain JSON all the way down
     assert "text" not in data["results"][0]
