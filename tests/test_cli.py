@@ -804,7 +804,7 @@ def test_repetition_guard_cut_is_reported(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(GreedyDecoder, "decode", looping)
     result = transcribe(jfk(), "-m", tiny())
     assert warning_lines(result.stderr) == [
-        f"whisper-cli: warning: {jfk()}: 1 window(s) stopped by the repetition guard (the "
-        "model was repeating itself); the rest of those windows is missing"
+        f"whisper-cli: warning: {jfk()}: 1 window(s) kept repeating themselves at every "
+        "temperature and were cut by the repetition guard; the rest of those windows is missing"
     ]
     assert "warning" not in transcribe(jfk(), "-m", tiny(), "-q").stderr

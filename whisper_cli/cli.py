@@ -267,21 +267,19 @@ SkipExistingOpt = Annotated[
         rich_help_panel=PANEL_IO,
     ),
 ]
-VadOpt = Annotated[
+NoVadOpt = Annotated[
     bool,
     typer.Option(
-        "--vad/--no-vad",
+        "--no-vad",
         metavar="",
-        help="Decode only where the speech detector (Silero VAD) hears speech; "
-        "--no-vad decodes every window, for audio that defeats the detector.",
+        help="Decode every window, also where the speech detector (Silero VAD, on by "
+        "default) hears no speech: for audio that defeats the detector.",
         rich_help_panel=PANEL_GUARDS,
     ),
 ]
 VadThresholdOpt = Annotated[
     float,
     typer.Option(
-        min=0.01,
-        max=0.99,
         metavar="P",
         help="Speech probability at which the detector starts speech.",
         rich_help_panel=PANEL_GUARDS,
@@ -301,7 +299,7 @@ NoSpeechThresholdOpt = Annotated[
     float,
     typer.Option(
         metavar="P",
-        help="A window is silent above this no-speech probability (and below --logprob-threshold).",
+        help="A window is silent above this no-speech probability (if it is unsure).",
         rich_help_panel=PANEL_GUARDS,
     ),
 ]
@@ -309,7 +307,7 @@ LogprobThresholdOpt = Annotated[
     float,
     typer.Option(
         metavar="LP",
-        help="...unless its average log-prob is at least this; below it, a window falls back.",
+        help="Unsure: an average log-prob below this; such a window falls back.",
         rich_help_panel=PANEL_GUARDS,
     ),
 ]
@@ -317,8 +315,8 @@ CompressionRatioThresholdOpt = Annotated[
     float,
     typer.Option(
         metavar="R",
-        help="A window whose text compresses better than this (gzip ratio) falls back; a "
-        "segment that still does is dropped.",
+        help="Repetitive: text that compresses better than this (gzip); such a window "
+        "falls back, and a segment that still is is dropped.",
         rich_help_panel=PANEL_GUARDS,
     ),
 ]
@@ -396,7 +394,7 @@ def transcribe_options(a: dict[str, Any], device_type: str) -> TranscribeOptions
         initial_prompt=a["initial_prompt"],
         channel=parse_channel(a["channel"]),
         compile=_use_compile(a["compile"], device_type),
-        vad=a["vad"],
+        vad=not a["no_vad"],
         policy=_policy(a),
     )
     check_options(options)
@@ -460,7 +458,7 @@ def transcribe(
     max_new_tokens: MaxNewTokensOpt = 224,
     initial_prompt: InitialPromptOpt = None,
     temperature: TemperatureOpt = TEMPERATURES,
-    vad: VadOpt = True,
+    no_vad: NoVadOpt = False,
     vad_threshold: VadThresholdOpt = Policy.vad_threshold,
     no_speech_threshold: NoSpeechThresholdOpt = Policy.no_speech_threshold,
     logprob_threshold: LogprobThresholdOpt = Policy.logprob_threshold,
@@ -818,7 +816,7 @@ def batch(
     fmt: FormatOpt = Format.txt,
     compile: CompileOpt = Compile.auto,
     temperature: TemperatureOpt = TEMPERATURES,
-    vad: VadOpt = True,
+    no_vad: NoVadOpt = False,
     vad_threshold: VadThresholdOpt = Policy.vad_threshold,
     no_speech_threshold: NoSpeechThresholdOpt = Policy.no_speech_threshold,
     logprob_threshold: LogprobThresholdOpt = Policy.logprob_threshold,
