@@ -79,10 +79,10 @@ class Attention(nn.Module):
         b, h, t, d = y.shape
         return self.out_proj(y.transpose(1, 2).reshape(b, t, h * d))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Uncached full self-attention (the encoder)."""
+    def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        """Uncached full self-attention (the encoder; causal: a whole decoder sequence)."""
         q, k, v = (self.split_heads(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
-        return self.attend(q, k, v)
+        return self.attend(q, k, v, causal=causal)
 
     def forward_cached_self(
         self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, visible: int
@@ -102,6 +102,27 @@ class Attention(nn.Module):
     def forward_cross(self, x: torch.Tensor) -> torch.Tensor:
         """Cross-attention over the encoder K/V filled once per batch."""
         return self.attend(self.split_heads(self.q_proj(x)), self.kv_cache.k, self.kv_cache.v)
+
+    def forward_cross_scores(
+        self, x: torch.Tensor, audio: torch.Tensor | None, heads: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Cross-attention, and the attention scores (pre-softmax) of the given heads.
+
+        scaled_dot_product_attention returns no weights, so they are computed explicitly,
+        for these heads only, as openai-whisper does: (q * D^-1/4) @ (k * D^-1/4)^T, in
+        the model dtype, (B, len(heads), T, S). With `audio` (B, S, C), K/V are projected
+        from it instead of read from the cache (which may no longer hold the batch).
+        """
+        q = self.split_heads(self.q_proj(x))
+        if audio is None:
+            k, v = self.kv_cache.k, self.kv_cache.v
+        else:
+            k, v = self.split_heads(self.k_proj(audio)), self.split_heads(self.v_proj(audio))
+        scores = None
+        if heads is not None:
+            scale = q.shape[-1] ** -0.25
+            scores = (q[:, heads] * scale) @ (k[:, heads] * scale).transpose(-1, -2)
+        return self.attend(q, k, v), scores
 
     def fill_cross(self, audio: torch.Tensor) -> None:
         # audio: (B, S, C) encoder output; all S positions written at once.
@@ -142,6 +163,17 @@ class DecoderLayer(nn.Module):
         )
         x = x + self.encoder_attn.forward_cross(self.encoder_attn_layer_norm(x))
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+
+    def forward_aligned(
+        self, x: torch.Tensor, audio: torch.Tensor | None, heads: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A whole sequence from position 0, uncached (see Decoder.forward_aligned)."""
+        x = x + self.self_attn(self.self_attn_layer_norm(x), causal=True)
+        y, scores = self.encoder_attn.forward_cross_scores(
+            self.encoder_attn_layer_norm(x), audio, heads
+        )
+        x = x + y
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x)))), scores
 
 
 class Encoder(nn.Module):
@@ -201,8 +233,33 @@ class Decoder(nn.Module):
             mask = torch.arange(cache_len, device=tokens.device) <= positions[:, None]
         for layer in self.layers:
             x = layer(x, positions, mask, visible or 0)
-        x = self.layer_norm(x)
-        return x @ self.embed_tokens.weight.T  # output projection tied to the embedding
+        return self.logits(self.layer_norm(x))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., C) final hidden states -> (..., V) logits."""
+        return hidden @ self.embed_tokens.weight.T  # output projection tied to the embedding
+
+    def forward_aligned(
+        self, tokens: torch.Tensor, audio: torch.Tensor, heads: dict[int, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced pass for word timing: whole sequences (B, T) from position 0.
+
+        Returns the final hidden states (B, T, C) (logits via `logits`, in slices: all T
+        at once would be B * T * V) and the cross-attention scores of the alignment heads
+        `heads` ({layer: head indices}), (B, n_heads, T, S), in the model dtype, ordered
+        by layer then head. Self-attention runs over the sequence itself, leaving the
+        self caches alone; cross-attention reads the cross caches when they still hold
+        this batch's `audio` (B, S, C), and otherwise projects it again.
+        """
+        cached = self.cross_source is audio
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embed_tokens(tokens) + self.embed_positions(positions)
+        scores = []
+        for index, layer in enumerate(self.layers):
+            x, layer_scores = layer.forward_aligned(x, None if cached else audio, heads.get(index))
+            if layer_scores is not None:
+                scores.append(layer_scores)
+        return self.layer_norm(x), torch.cat(scores, dim=1)
 
     def setup_caches(self, batch: int, length: int, audio_frames: int) -> None:
         """Preallocate self- and cross-attention caches in the weights' dtype and device."""

@@ -24,7 +24,8 @@ from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.features import SAMPLE_RATE, batch_log_mel
 from whisper_cli.loading import LoadedModel
 from whisper_cli.results import Segment, Transcript
-from whisper_cli.segments import window_segments
+from whisper_cli.segments import attach_words, window_segments
+from whisper_cli.timing import Aligner, AlignRow
 from whisper_cli.tokenizer import TIME_PRECISION
 from whisper_cli.windows import Window, cut_windows
 
@@ -64,6 +65,7 @@ class TranscribeOptions:
     no_speech_threshold: float = 0.6
     logprob_threshold: float = -1.0
     compression_ratio_threshold: float = 2.4
+    word_timestamps: bool = False  # words with times (one alignment pass per batch)
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ class Transcriber:
             ),
             step=step,
         )
+        self.aligner = Aligner(loaded, options.task) if options.word_timestamps else None
         # A compiled step has one batch shape: pad the last batch up to it.
         self.pad_batches = options.compile
         self.rows = options.batch_size  # halved for the rest of the run on out-of-memory
@@ -264,8 +267,9 @@ class Transcriber:
                 table[r] = open_after_timestamps(window.audio, n_ts)
             open_after = torch.from_numpy(table).to(device)
         rows = self.decoder.decode(features, languages, open_after)
+        kept: list[list[Segment]] = []
         for window, row in zip(batch, rows, strict=False):
-            item = inputs[window.source]
+            kept.append([])
             duration = len(window.audio) / SAMPLE_RATE
             if self._is_silent(row.no_speech_prob, row.avg_logprob, row.tokens):
                 continue
@@ -281,11 +285,23 @@ class Transcriber:
                 no_speech_prob=row.no_speech_prob,
                 language=row.language,
             )
-            item.segments.extend(
-                s
-                for s in segments
-                if s.compression_ratio <= self.options.compression_ratio_threshold
+            ratio = self.options.compression_ratio_threshold
+            kept[-1] = [s for s in segments if s.compression_ratio <= ratio]
+        if self.aligner is not None:  # one pass for the batch; windows in order of time
+            aligned = self.aligner.align(
+                features,
+                [
+                    AlignRow(sum((s.tokens for s in segs), ()), len(w.audio), row.language)
+                    for w, row, segs in zip(batch, rows, kept, strict=False)
+                ],
             )
+            for r, window in enumerate(batch):
+                done = inputs[window.source].segments
+                last_speech = done[-1].end if done else 0.0
+                done.extend(attach_words(kept[r], aligned[r], window.start, last_speech))
+        else:
+            for window, segs in zip(batch, kept, strict=True):
+                inputs[window.source].segments.extend(segs)
 
     def _continued_end(self, row: DecodedRow, duration: float) -> int:
         """How many of the row's tokens are kept when it went on past its own end.
