@@ -75,6 +75,24 @@ DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
 CompileOpt = Annotated[
     Compile, typer.Option(help="torch.compile the decode step: auto = on for CUDA.")
 ]
+WordTimestampsOpt = Annotated[
+    bool, typer.Option(help="Time every word (json/jsonl 'words'; word-timed subtitle cues).")
+]
+MaxLineWidthOpt = Annotated[
+    int | None,
+    typer.Option(min=1, help="Subtitles: characters per line (needs --word-timestamps)."),
+]
+MaxLineCountOpt = Annotated[
+    int | None,
+    typer.Option(min=1, help="Subtitles: lines per cue, with --max-line-width."),
+]
+MaxWordsPerLineOpt = Annotated[
+    int | None,
+    typer.Option(min=1, help="Subtitles: words per cue (no effect with --max-line-width)."),
+]
+HighlightWordsOpt = Annotated[
+    bool, typer.Option(help="srt/vtt: underline each word as it is spoken.")
+]
 
 
 def _stderr(message: str) -> None:
@@ -152,6 +170,11 @@ def transcribe(
         bool, typer.Option(help="Skip inputs whose outputs exist in --output-dir.")
     ] = False,
     compile: CompileOpt = Compile.auto,
+    word_timestamps: WordTimestampsOpt = False,
+    max_line_width: MaxLineWidthOpt = None,
+    max_line_count: MaxLineCountOpt = None,
+    max_words_per_line: MaxWordsPerLineOpt = None,
+    highlight_words: HighlightWordsOpt = False,
     no_speech_threshold: Annotated[float, typer.Option(help="Silence guard.")] = 0.6,
     logprob_threshold: Annotated[float, typer.Option(help="Silence guard.")] = -1.0,
     compression_ratio_threshold: Annotated[
@@ -173,13 +196,19 @@ def transcribe(
 
 
 def _transcribe(**a) -> int:
+    from whisper_cli.formats import SubtitleOptions
     from whisper_cli.inputs import expand_inputs
     from whisper_cli.outputs import OutputPlan
 
     paths, input_errors = expand_inputs(a["inputs"], a["recursive"])
     if a["inputs"].count("-") > 1:
         raise WhisperCliError("stdin (-) can be given only once")
-    plan = OutputPlan.make(a["fmt"].value, a["output_dir"], len(paths) + len(input_errors))
+    subtitles = SubtitleOptions(
+        a["max_line_width"], a["max_line_count"], a["max_words_per_line"], a["highlight_words"]
+    )
+    subtitles.check(a["word_timestamps"])
+    n_inputs = len(paths) + len(input_errors)
+    plan = OutputPlan.make(a["fmt"].value, a["output_dir"], n_inputs, subtitles)
     plan.check_distinct(paths)
     if a["skip_existing"]:
         if a["output_dir"] is None:
@@ -210,6 +239,7 @@ def _transcribe(**a) -> int:
             no_speech_threshold=a["no_speech_threshold"],
             logprob_threshold=a["logprob_threshold"],
             compression_ratio_threshold=a["compression_ratio_threshold"],
+            word_timestamps=a["word_timestamps"],
         ),
     )
     failures = 0

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from whisper_cli.errors import WhisperCliError
-from whisper_cli.formats import FORMATS, output_path, render, write_atomic
+from whisper_cli.formats import FORMATS, SubtitleOptions, output_path, render, write_atomic
 from whisper_cli.results import Transcript
 
 STREAMABLE = ("txt", "jsonl")  # formats that concatenate cleanly on stdout
@@ -18,9 +18,16 @@ class OutputPlan:
     formats: tuple[str, ...]
     output_dir: Path | None
     multiple_inputs: bool
+    subtitles: SubtitleOptions = field(default_factory=SubtitleOptions)  # word cues
 
     @classmethod
-    def make(cls, fmt: str, output_dir: Path | None, n_inputs: int) -> OutputPlan:
+    def make(
+        cls,
+        fmt: str,
+        output_dir: Path | None,
+        n_inputs: int,
+        subtitles: SubtitleOptions | None = None,
+    ) -> OutputPlan:
         """Validate a --format / --output-dir combination (a usage error if impossible)."""
         formats = FORMATS if fmt == "all" else (fmt,)
         if fmt != "all" and fmt not in FORMATS:
@@ -37,7 +44,7 @@ class OutputPlan:
                     f"--format {fmt} for several inputs needs --output-dir "
                     f"(only {' and '.join(STREAMABLE)} can go to stdout together)"
                 )
-        return cls(formats, output_dir, n_inputs > 1)
+        return cls(formats, output_dir, n_inputs > 1, subtitles or SubtitleOptions())
 
     def paths(self, input_path: str) -> list[Path]:
         assert self.output_dir is not None
@@ -71,13 +78,13 @@ class OutputPlan:
             fmt = self.formats[0]
             if fmt == "txt" and self.multiple_inputs:
                 stdout.write(f"==> {transcript.path} <==\n")
-            stdout.write(render(transcript, fmt))
+            stdout.write(render(transcript, fmt, self.subtitles))
             stdout.flush()
             return []
         written = []
         for fmt, path in zip(self.formats, self.paths(transcript.path), strict=True):
             try:
-                write_atomic(path, render(transcript, fmt))
+                write_atomic(path, render(transcript, fmt, self.subtitles))
             except OSError as exc:  # unwritable directory, disk full: the run cannot go on
                 raise WhisperCliError(f"cannot write {path}: {exc.strerror or exc}") from exc
             written.append(path)
