@@ -142,8 +142,8 @@ def dtw(cost: torch.Tensor, rows: Sequence[int], cols: Sequence[int]) -> list[np
     skew = padded.flatten(1)[:, : n * (n + m)].view(b, n, n + m).transpose(1, 2).contiguous()
     # acc[b, d, i]: the cheapest path cost to cell (i, d - i) of the (n + 1, m + 1) table
     # whose row and column 0 are the start: only (0, 0) is reachable there, at 0.
-    acc = torch.full((b, n + m + 1, n + 1), float("inf"), dtype=cost.dtype, device=cost.device)
-    acc[:, 0, 0] = 0.0
+    acc = cost.new_full((b, n + m + 1, n + 1), float("inf"))
+    acc[:, 0, 0].zero_()
     trace = torch.full((b, n + m + 1, n + 1), 2, dtype=torch.int8, device=cost.device)
     for d in range(2, n + m + 1):
         diag, up, left = acc[:, d - 2, :n], acc[:, d - 1, :n], acc[:, d - 1, 1:]
@@ -345,17 +345,19 @@ class Aligner:
         # frames m_b of its own audio (never the padding after it).
         n_text = [len(r.tokens) for r in rows]
         frames = [min(r.samples // SAMPLES_PER_FRAME, scores.shape[-1]) for r in rows]
-        cost = torch.zeros(
-            (len(rows), max(n_text, default=0) + 1, max(frames, default=1)),
-            dtype=torch.float32,
-            device=device,
-        )
-        for b, (n, m) in enumerate(zip(n_text, frames, strict=True)):
-            if n and m:
-                row_scores = scores[b, :, : n_prompt + n + 1, :m]  # (h, T_b, m)
-                cost[b, : n + 1, :m] = self._row_cost(row_scores, n_prompt)
         todo = [b for b, (n, m) in enumerate(zip(n_text, frames, strict=True)) if n and m]
-        paths = dtw(cost[todo], [n_text[b] + 1 for b in todo], [frames[b] for b in todo])
+        costs = [
+            self._row_cost(scores[b, :, : n_prompt + n_text[b] + 1, : frames[b]], n_prompt)
+            for b in todo
+        ]  # (n_b + 1, m_b) each, float32
+        n_max = max((c.shape[0] for c in costs), default=0)
+        m_max = max((c.shape[1] for c in costs), default=0)
+        paths = []
+        if costs:
+            padded = [F.pad(c, (0, m_max - c.shape[1], 0, n_max - c.shape[0])) for c in costs]
+            paths = dtw(
+                torch.stack(padded), [c.shape[0] for c in costs], [c.shape[1] for c in costs]
+            )
         probs = self._token_probs(hidden, rows, n_prompt)
 
         out = [WindowWords((), 0.0)] * len(rows)
