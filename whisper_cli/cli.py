@@ -367,6 +367,7 @@ def bench(
     compile: CompileOpt = Compile.auto,
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs; the median is shown.")] = 3,
     timestamps: Annotated[bool, typer.Option(help="Timestamp mode (the default).")] = True,
+    word_timestamps: WordTimestampsOpt = False,
     against: Annotated[
         str | None, typer.Option(help="transformers: also run the reference and compare.")
     ] = None,
@@ -389,6 +390,7 @@ def bench(
         compile=compile.value,
         repeats=repeats,
         timestamps=timestamps,
+        word_timestamps=word_timestamps,
         against=against,
         device=device,
     )
