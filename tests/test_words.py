@@ -272,3 +272,24 @@ def test_word_options_need_word_timestamps():
     assert result.exit_code == 2
     assert "need --word-timestamps" in result.stderr
     assert result.stdout == ""
+
+
+def test_cached_and_reprojected_cross_attention_give_the_same_words(tiny_en):
+    """The compiled path keeps its whole batch in the cross caches (and pads it); the eager
+    one drops finished rows, so the pass projects the encoder output again: same words."""
+    windows = english_windows()[:2]
+    mel = batch_log_mel(windows, 3, tiny_en.config.num_mel_bins, torch.device("cpu"))  # 1 pad
+    results = []
+    for shrink in (False, True):
+        decoder = GreedyDecoder(tiny_en, DecodeOptions(max_new_tokens=48, shrink_batch=shrink))
+        with torch.inference_mode():
+            features = decoder.encode(mel)
+            rows = decoder.decode(features, [None] * 3)
+        assert (tiny_en.model.decoder.cross_source is features) == (not shrink)
+        text = [tuple(t for t in r.tokens if t < tiny_en.tokenizer.special.eot) for r in rows]
+        aligned = Aligner(tiny_en).align(
+            features, [AlignRow(t, len(a)) for t, a in zip(text, windows, strict=False)]
+        )
+        results.append(aligned)
+    assert results[0] == results[1]
+    assert all(len(w.words) > 5 for w in results[0])
