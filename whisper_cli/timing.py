@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import string
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -315,7 +315,6 @@ class Aligner:
     """Word timings of a decoded batch from one teacher-forced pass over its rows."""
 
     def __init__(self, loaded: LoadedModel, task: str = "transcribe") -> None:
-        self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.task = task
@@ -328,8 +327,7 @@ class Aligner:
         Every row of `features` goes through the pass (a compiled run's padding rows as
         empty ones) so that the cross caches, when they still hold the batch, serve.
         """
-        special = self.tokenizer.special
-        eot = special.eot
+        eot = self.tokenizer.special.eot
         device = features.device
         prompts = [self.tokenizer.prompt(r.language, self.task, timestamps=False) for r in rows]
         n_prompt = len(prompts[0]) if prompts else 0  # sot [lang task] notimestamps
@@ -405,8 +403,3 @@ class Aligner:
             out.append(flat[at : at + len(row.tokens)])
             at += len(row.tokens)
         return out
-
-
-def shift(words: WindowWords, offset: float) -> tuple[WordTiming, ...]:
-    """A window's words with times from the input's start."""
-    return tuple(replace(w, start=w.start + offset, end=w.end + offset) for w in words.words)
