@@ -39,6 +39,7 @@ APPEND_PUNCTUATIONS = "\"'.。,，!！?？:：”)]}、"
 SENTENCE_END_MARKS = ".。!！?？"
 # Word durations are judged against the window's median word duration, itself capped.
 MAX_MEDIAN_DURATION = 0.7  # seconds
+MEDIAN_CHUNK = 1 << 17  # values filtered at a time (512 KiB of float32: a core's L2 cache)
 LOGITS_ROWS = 256  # positions projected to the vocabulary at a time (B * T * V is large)
 
 
@@ -104,23 +105,28 @@ def median_filter(x: torch.Tensor, width: int = MEDIAN_FILTER_WIDTH) -> torch.Te
 
     As openai-whisper: an input no longer than width // 2 is returned as it is. The
     `width` shifted copies are sorted elementwise by odd-even transposition (width
-    rounds of min/max), a few times faster on the CPU than sorting unfolded windows.
+    rounds of min/max), in slices of MEDIAN_CHUNK values that stay in the CPU's cache
+    across those rounds: several times faster than sorting unfolded windows.
     """
     if width < 1 or width % 2 == 0:
         raise ValueError("the median filter's width must be odd")
-    pad = width // 2
-    m = x.shape[-1]
+    pad, m = width // 2, x.shape[-1]
     if m <= pad:
         return x
-    padded = F.pad(x[None] if x.dim() < 3 else x, (pad, pad), mode="reflect")
-    if x.dim() < 3:
-        padded = padded[0]
-    lanes = [padded[..., k : k + m] for k in range(width)]
-    for round_ in range(width):
-        for i in range(round_ % 2, width - 1, 2):
-            lo, hi = torch.minimum(lanes[i], lanes[i + 1]), torch.maximum(lanes[i], lanes[i + 1])
-            lanes[i], lanes[i + 1] = lo, hi
-    return lanes[pad]
+    rows = x.reshape(-1, m)  # (R, m)
+    padded = F.pad(rows[None], (pad, pad), mode="reflect")[0]  # (R, m + 2 pad)
+    out = torch.empty_like(rows)
+    step = max(1, MEDIAN_CHUNK // m)
+    for start in range(0, rows.shape[0], step):
+        chunk = padded[start : start + step]
+        lanes = [chunk[:, k : k + m] for k in range(width)]
+        for round_ in range(width):
+            for i in range(round_ % 2, width - 1, 2):
+                low = torch.minimum(lanes[i], lanes[i + 1])
+                lanes[i + 1] = torch.maximum(lanes[i], lanes[i + 1])
+                lanes[i] = low
+        out[start : start + step] = lanes[pad]
+    return out.view(x.shape)
 
 
 def dtw(cost: torch.Tensor, rows: Sequence[int], cols: Sequence[int]) -> list[np.ndarray]:
