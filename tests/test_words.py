@@ -274,22 +274,33 @@ def test_word_options_need_word_timestamps():
     assert result.stdout == ""
 
 
-def test_cached_and_reprojected_cross_attention_give_the_same_words(tiny_en):
-    """The compiled path keeps its whole batch in the cross caches (and pads it); the eager
-    one drops finished rows, so the pass projects the encoder output again: same words."""
+def test_cached_retained_and_reprojected_cross_attention_give_the_same_words(tiny_en):
+    """The pass reads the cross K/V of the decode: from the caches where the whole (padded)
+    batch stayed there (compiled path), from the K/V kept back when the eager decode
+    dropped finished rows, or else projected again from the encoder output: same words."""
     windows = english_windows()[:2]
     mel = batch_log_mel(windows, 3, tiny_en.config.num_mel_bins, torch.device("cpu"))  # 1 pad
+    aligner = Aligner(tiny_en)
+    decoder_module = tiny_en.model.decoder
     results = []
-    for shrink in (False, True):
-        decoder = GreedyDecoder(tiny_en, DecodeOptions(max_new_tokens=48, shrink_batch=shrink))
+    for shrink in (False, True, None):
+        decoder = GreedyDecoder(
+            tiny_en, DecodeOptions(max_new_tokens=48, shrink_batch=bool(shrink))
+        )
         with torch.inference_mode():
             features = decoder.encode(mel)
             rows = decoder.decode(features, [None] * 3)
-        assert (tiny_en.model.decoder.cross_source is features) == (not shrink)
+        if shrink is None:
+            features = features.clone()  # not what the decode saw: projected again
+        else:
+            assert (decoder_module.cross_source is features) == (not shrink)
+            assert (decoder_module.retained_cross is not None) == shrink
         text = [tuple(t for t in r.tokens if t < tiny_en.tokenizer.special.eot) for r in rows]
-        aligned = Aligner(tiny_en).align(
-            features, [AlignRow(t, len(a)) for t, a in zip(text, windows, strict=False)]
+        results.append(
+            aligner.align(
+                features, [AlignRow(t, len(a)) for t, a in zip(text, windows, strict=False)]
+            )
         )
-        results.append(aligned)
-    assert results[0] == results[1]
+        assert decoder_module.retained_cross is None  # released after the pass
+    assert results[0] == results[1] == results[2]
     assert all(len(w.words) > 5 for w in results[0])

@@ -325,13 +325,16 @@ class Aligner:
         self.tokenizer = loaded.tokenizer
         self.task = task
         self.heads = alignment_heads(loaded)
+        # The eager decode drops finished rows from the cross caches: have it keep the
+        # whole batch's K/V for the pass (see Decoder.retain_cross).
+        self.model.decoder.retain_cross = True
 
     @torch.inference_mode()
     def align(self, features: torch.Tensor, rows: Sequence[AlignRow]) -> list[WindowWords]:
         """features (B, S, C): the batch's encoder output; rows: its first len(rows) rows.
 
         Every row of `features` goes through the pass (a compiled run's padding rows as
-        empty ones) so that the cross caches, when they still hold the batch, serve.
+        empty ones) so that the cross K/V of the decode, of the whole batch, serve.
         """
         eot = self.tokenizer.special.eot
         device = features.device
@@ -343,7 +346,9 @@ class Aligner:
         tokens = torch.full((len(sequences), t), eot, dtype=torch.long, device=device)
         for r, seq in enumerate(sequences):
             tokens[r, : len(seq)] = torch.tensor(seq, device=device)
-        hidden, scores = self.model.decoder.forward_aligned(tokens, features, self.heads)
+        decoder = self.model.decoder
+        hidden, scores = decoder.forward_aligned(tokens, features, self.heads)
+        decoder.retained_cross = None  # the batch's K/V are no longer needed
 
         # Row b: text tokens n_b, path rows n_b + 1 (the last predicts end-of-text),
         # frames m_b of its own audio (never the padding after it).
