@@ -39,7 +39,11 @@ APPEND_PUNCTUATIONS = "\"'.。,，!！?？:：”)]}、"
 SENTENCE_END_MARKS = ".。!！?？"
 # Word durations are judged against the window's median word duration, itself capped.
 MAX_MEDIAN_DURATION = 0.7  # seconds
-MEDIAN_CHUNK = 1 << 17  # values filtered at a time (512 KiB of float32: a core's L2 cache)
+# Values filtered at a time: under torch's parallel grain size (32768), so each of the
+# filter's many small ops runs on one thread. Split across threads, each op waits at a
+# barrier, and on a busy CPU that wait (a descheduled thread) cost 100x the work: 2 s
+# per window instead of 20 ms (2 shared cores). Small slices also stay in the cache.
+MEDIAN_CHUNK = 1 << 14
 LOGITS_ROWS = 256  # positions projected to the vocabulary at a time (B * T * V is large)
 
 
@@ -105,8 +109,8 @@ def median_filter(x: torch.Tensor, width: int = MEDIAN_FILTER_WIDTH) -> torch.Te
 
     As openai-whisper: an input no longer than width // 2 is returned as it is. The
     `width` shifted copies are sorted elementwise by odd-even transposition (width
-    rounds of min/max), in slices of MEDIAN_CHUNK values that stay in the CPU's cache
-    across those rounds: several times faster than sorting unfolded windows.
+    rounds of min/max), in slices of MEDIAN_CHUNK values (see there): several times
+    faster than sorting unfolded windows.
     """
     if width < 1 or width % 2 == 0:
         raise ValueError("the median filter's width must be odd")
