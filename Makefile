@@ -12,11 +12,16 @@ CACHE := .cache
 
 .PHONY: install models demo test test-fast lint format eval bench clean
 
+# openai-whisper is the test-only word-timing reference (tests/reference_whisper.py). Its
+# own requirements would pull triton (hundreds of MB, unused on CPU): it is installed bare,
+# with what its import needs. pip then reports triton as missing; nothing here uses it.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_PIN)"
 	$(PIP) install -q -e ".[test,ray]" "$(TORCH_PIN)"
+	$(PIP) install -q --no-deps "openai-whisper==20250625"
+	$(PIP) install -q numba tiktoken more-itertools tqdm "$(TORCH_PIN)"
 	touch $@
 
 install: $(VENV)/.installed

@@ -257,3 +257,29 @@ def test_against_transformers_gives_identical_text() -> None:
     assert c.word_differences == 0
     assert c.reference_wall_s > 0 and c.speedup == pytest.approx(c.reference_wall_s / result.wall_s)
     assert "ask not what your country can do for you" in result.text.lower()
+
+
+def test_word_timestamps_run_reports_the_alignment_cost() -> None:
+    """The alignment pass is timed on its own and set against the rest of the run."""
+    config = BenchConfig(
+        model=str(real_model("tiny.en")),
+        dtypes=("f32",),
+        batch_size=4,
+        audio=str(shared_clip("jfk.flac")),
+        repeats=1,
+        device="cpu",
+        threads=1,
+        word_timestamps=True,
+    )
+    report = run_bench(config)
+    assert report.failures == ()
+    (result,) = report.results
+    assert result.word_timestamps is True
+    assert result.align_ms_per_window > 0
+    # The pass is a fraction of decoding: well under the whole rest of the run.
+    assert 0 < result.word_timing_overhead < 1
+    data = report_to_json(report)["results"][0]
+    assert data["align_ms_per_window"] > 0 and data["word_timing_overhead"] > 0
+    table = render_table(report)
+    assert "| words +% |" in table
+    assert f"| {100 * result.word_timing_overhead:.1f} |" in table

@@ -20,6 +20,7 @@ from util import real_model, shared_clip
 
 import whisper_cli.decoding as decoding
 import whisper_cli.pipeline as pipeline
+import whisper_cli.timing as timing
 from whisper_cli import dtypes, speech
 from whisper_cli.loading import load_model
 from whisper_cli.pipeline import TranscribeOptions, Transcriber
@@ -106,6 +107,8 @@ def recorder(monkeypatch):
     monkeypatch.setattr(decoding, "f32_log_softmax", exception(decoding.f32_log_softmax))
     monkeypatch.setattr(decoding, "f32_logprob_sums", exception(decoding.f32_logprob_sums))
     monkeypatch.setattr(decoding, "f32_logsumexp", exception(decoding.f32_logsumexp))
+    monkeypatch.setattr(timing, "f32_log_softmax", exception(timing.f32_log_softmax))
+    monkeypatch.setattr(timing, "f32_alignment_weights", exception(timing.f32_alignment_weights))
     return rec
 
 
@@ -114,15 +117,17 @@ def test_exceptions_are_listed():
         "audio front end",
         "speech detector",
         "log-softmax over logits",
+        "word-timing cost",
     }
 
 
 @pytest.mark.parametrize(
-    ("name", "clip_seconds", "max_new_tokens"),
-    [("f32", None, 224), ("bf16", None, 224), ("f16", 5.0, 16)],  # f16 is slow on this CPU
+    ("name", "clip_seconds", "max_new_tokens", "word_timestamps"),
+    # f16 is slow on this CPU; the bf16 and f16 runs time their words too.
+    [("f32", None, 224, False), ("bf16", None, 224, True), ("f16", 5.0, 16, True)],
 )
 def test_every_tensor_of_a_run_has_the_chosen_dtype(
-    recorder, name, clip_seconds, max_new_tokens, tmp_path
+    recorder, name, clip_seconds, max_new_tokens, word_timestamps, tmp_path
 ):
     import soundfile as sf
 
@@ -135,7 +140,7 @@ def test_every_tensor_of_a_run_has_the_chosen_dtype(
         audio = audio[: int(clip_seconds * 16000)]
     path = tmp_path / "clip.wav"
     sf.write(path, audio, 16000)
-    options = TranscribeOptions(max_new_tokens=max_new_tokens)
+    options = TranscribeOptions(max_new_tokens=max_new_tokens, word_timestamps=word_timestamps)
     transcriber = Transcriber(loaded, options)
     recorder.expected = policy.dtype
     with recorder:
@@ -154,6 +159,8 @@ def test_every_tensor_of_a_run_has_the_chosen_dtype(
     # The run really went through the model: convolutions, attention, matmuls, norms.
     for op in ("conv1d", "scaled_dot_product", "layer_norm", "linear", "index_copy_"):
         assert any(op in o for o in ops), (op, sorted(ops))
+    if word_timestamps:  # the alignment pass ran, in this dtype
+        assert any(s.words for s in result.segments)
     if clip_seconds is None:
         words = re.sub(r"[^\w\s]", "", result.text.lower()).split()
         assert words[:4] == ["and", "so", "my", "fellow"]

@@ -74,6 +74,7 @@ class BenchConfig:
     repeats: int = 3  # timed runs after the warm-up; the median is reported
     timestamps: bool = True
     vad: bool = True  # the speech map decides where speech is (off: every window decoded)
+    word_timestamps: bool = False  # also time words: the alignment pass is timed on its own
     against: str | None = None  # "transformers": also time and compare a reference
     device: str = "auto"
     language: str | None = None  # None: detected per input, as the CLI does
@@ -131,6 +132,11 @@ class ConfigResult:
     words: int
     text: str
     comparison: Comparison | None = None
+    word_timestamps: bool = False
+    # Word timing, per timed run: the alignment pass (with the words built from it), and
+    # what it adds on top of the rest of the run (align / (wall - align)).
+    align_ms_per_window: float = 0.0
+    word_timing_overhead: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -290,6 +296,7 @@ def _child_spec(
         "repeats": config.repeats,
         "timestamps": config.timestamps,
         "vad": config.vad,
+        "word_timestamps": config.word_timestamps,
         "language": config.language,
         "threads": config.threads,
         "against": config.against,
@@ -408,15 +415,26 @@ class _Totals:
     decode_s: float = 0.0
     steps: int = 0
     tokens: int = 0
+    align_s: float = 0.0
 
 
 class _Probe:
     """Timing shims around a GreedyDecoder's encode and decode (instance attributes)."""
 
-    def __init__(self, decoder, sync: Callable[[], None]) -> None:
+    def __init__(self, decoder, sync: Callable[[], None], aligner=None) -> None:
         self.totals = _Totals()
         self.sync = sync
         encode, decode = decoder.encode, decoder.decode
+        if aligner is not None:
+            align = aligner.align
+
+            def timed_align(*args, **kwargs):
+                started = self._start()
+                out = align(*args, **kwargs)
+                self.totals.align_s += self._stop(started)
+                return out
+
+            aligner.align = timed_align
 
         def timed_encode(mel):
             started = self._start()
@@ -482,9 +500,10 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
             max_new_tokens=spec["max_new_tokens"],
             compile=use_compile,
             vad=spec.get("vad", True),
+            word_timestamps=spec.get("word_timestamps", False),
         ),
     )
-    probe = _Probe(transcriber.decoder, sync)
+    probe = _Probe(transcriber.decoder, sync, transcriber.aligner)
     clip = np.load(spec["clip"])
     source = ArraySource(clip, spec["n_samples"])
 
@@ -509,6 +528,8 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
     transcript = runs[-1][1]
     totals, n = probe.totals, len(runs)
     audio_s = spec["n_samples"] / SAMPLE_RATE
+    transcriber_words = transcriber.aligner is not None
+    align_run = totals.align_s / n
     comparison = None
     if spec["against"]:
         language = transcript.language if loaded.tokenizer.is_multilingual else None
@@ -548,6 +569,9 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
         words=len(transcript.text.split()),
         text=transcript.text,
         comparison=comparison,
+        word_timestamps=transcriber_words,
+        align_ms_per_window=1000 * totals.align_s / max(totals.windows, 1),
+        word_timing_overhead=align_run / (wall - align_run) if wall > align_run else 0.0,
     )
 
 
@@ -663,7 +687,12 @@ def render_table(report: BenchReport) -> str:
             f", median of {cfg.repeats} after 1 warm-up; peak memory: {first.peak_memory_kind}"
         )
     with_ref = any(r.comparison for r in report.results)
-    header = [*_COLUMNS, *(["reference s", "speed-up", "text"] if with_ref else [])]
+    with_words = any(r.word_timestamps for r in report.results)
+    header = [
+        *_COLUMNS,
+        *(["align ms/win", "words +%"] if with_words else []),
+        *(["reference s", "speed-up", "text"] if with_ref else []),
+    ]
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in report.results:
         cells = [
@@ -680,6 +709,8 @@ def render_table(report: BenchReport) -> str:
             f"{r.warmup_s:.2f}",
             f"{r.peak_memory_mb:.0f}",
         ]
+        if with_words:
+            cells += [f"{r.align_ms_per_window:.1f}", f"{100 * r.word_timing_overhead:.1f}"]
         if with_ref:
             cells += _comparison_cells(r.comparison)
         lines.append("| " + " | ".join(cells) + " |")
@@ -728,6 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", choices=COMPILE_CHOICES, default="auto")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-timestamps", action="store_true")
+    parser.add_argument("--word-timestamps", action="store_true", help="also time every word")
     parser.add_argument("--against", choices=REFERENCES)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--language")
@@ -757,6 +789,7 @@ def main(argv: list[str] | None = None) -> int:
             compile=args.compile,
             repeats=args.repeats,
             timestamps=not args.no_timestamps,
+            word_timestamps=args.word_timestamps,
             against=args.against,
             device=args.device,
             language=args.language,

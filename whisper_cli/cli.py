@@ -267,6 +267,51 @@ SkipExistingOpt = Annotated[
         rich_help_panel=PANEL_IO,
     ),
 ]
+WordTimestampsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--word-timestamps",
+        metavar="",
+        help="Time every word (json/jsonl 'words'; word-timed subtitle cues).",
+        rich_help_panel=PANEL_IO,
+    ),
+]
+MaxLineWidthOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        metavar="N",
+        help="Subtitles: characters per line (needs --word-timestamps).",
+        rich_help_panel=PANEL_IO,
+    ),
+]
+MaxLineCountOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        metavar="N",
+        help="Subtitles: lines per cue, with --max-line-width.",
+        rich_help_panel=PANEL_IO,
+    ),
+]
+MaxWordsPerLineOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        metavar="N",
+        help="Subtitles: words per cue (no effect with --max-line-width).",
+        rich_help_panel=PANEL_IO,
+    ),
+]
+HighlightWordsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--highlight-words",
+        metavar="",
+        help="srt/vtt: underline each word as it is spoken.",
+        rich_help_panel=PANEL_IO,
+    ),
+]
 NoVadOpt = Annotated[
     bool,
     typer.Option(
@@ -396,6 +441,7 @@ def transcribe_options(a: dict[str, Any], device_type: str) -> TranscribeOptions
         compile=_use_compile(a["compile"], device_type),
         vad=not a["no_vad"],
         policy=_policy(a),
+        word_timestamps=a.get("word_timestamps", False),
     )
     check_options(options)
     return options
@@ -447,6 +493,11 @@ def transcribe(
     output_dir: OutputDirOpt = None,
     recursive: RecursiveOpt = False,
     skip_existing: SkipExistingOpt = False,
+    word_timestamps: WordTimestampsOpt = False,
+    max_line_width: MaxLineWidthOpt = None,
+    max_line_count: MaxLineCountOpt = None,
+    max_words_per_line: MaxWordsPerLineOpt = None,
+    highlight_words: HighlightWordsOpt = False,
     channel: ChannelOpt = None,
     model: ModelOpt = None,
     dtype: DtypeOpt = Dtype.auto,
@@ -521,7 +572,13 @@ def _transcribe(a: dict[str, Any], term: _Terminal) -> int:
     expanded = expand_inputs(a["inputs"], a["recursive"])
     files = expanded.files
     n_inputs = len(files) + len(expanded.errors)
-    plan = OutputPlan.make(a["fmt"].value, a["output_dir"], files, n_inputs)
+    from whisper_cli.formats import SubtitleOptions
+
+    subtitles = SubtitleOptions(
+        a["max_line_width"], a["max_line_count"], a["max_words_per_line"], a["highlight_words"]
+    )
+    subtitles.check(a["word_timestamps"])
+    plan = OutputPlan.make(a["fmt"].value, a["output_dir"], files, n_inputs, subtitles)
     plan.check_distinct([f.path for f in files])
     skipped = []
     if a["skip_existing"]:
@@ -993,6 +1050,9 @@ def bench(
     compile: CompileOpt = Compile.auto,
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs; the median is shown.")] = 3,
     timestamps: Annotated[bool, typer.Option(help="Timestamp mode (the default).")] = True,
+    word_timestamps: Annotated[
+        bool, typer.Option(help="Also time words (the alignment pass's cost).")
+    ] = False,
     vad: Annotated[bool, typer.Option(help="The speech map on (default) or off.")] = True,
     against: Annotated[
         str | None, typer.Option(help="transformers: also run the reference and compare.")
@@ -1017,6 +1077,7 @@ def bench(
         compile=compile.value,
         repeats=repeats,
         timestamps=timestamps,
+        word_timestamps=word_timestamps,
         vad=vad,
         against=against,
         device=device,

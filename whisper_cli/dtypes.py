@@ -12,6 +12,8 @@ where a tensor changes dtype can be read in one screen:
                     encoder in the run dtype.
 * `f32_log_softmax`, `f32_logsumexp`, `f32_logprob_sums` - the listed float32
                     exception for probabilities over logits and their running sums.
+* `f32_alignment_weights` - word timing: alignment-head attention weights (computed in
+                    the run dtype) normalised, median-filtered and warped in float32.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ F32_EXCEPTIONS: dict[str, str] = {
         "token log-probabilities (timestamp rule, average log-prob, no-speech and "
         "language probabilities) are computed from the logits in float32 by "
         "f32_log_softmax() and f32_logsumexp(); the logits themselves stay in the run dtype."
+    ),
+    "word-timing cost": (
+        "the alignment heads' attention weights are computed in the run dtype; their "
+        "normalisation, median filter and the DTW cost over them run in float32 "
+        "(f32_alignment_weights()): half-precision sums over 1500 frames would move word "
+        "boundaries. Only word times come out of it."
     ),
 }
 
@@ -151,3 +159,8 @@ def f32_logsumexp(logits: torch.Tensor) -> torch.Tensor:
 def f32_logprob_sums(rows: int, device: torch.device) -> torch.Tensor:
     """Per-row running sums of chosen tokens' log-probabilities (same listed exception)."""
     return torch.zeros(rows, dtype=torch.float32, device=device)
+
+
+def f32_alignment_weights(weights: torch.Tensor) -> torch.Tensor:
+    """Attention weights as the word-timing filter and DTW take them (listed exception)."""
+    return weights.float()

@@ -9,12 +9,14 @@ import math
 import os
 import re
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from whisper_cli.errors import EXIT_USAGE, WhisperCliError
-from whisper_cli.results import Segment, Transcript
+from whisper_cli.results import Segment, Transcript, Word
 
 FORMATS = ("txt", "json", "jsonl", "srt", "vtt", "tsv")
 
@@ -23,9 +25,48 @@ _SCORE_DECIMALS = 4  # log-probs, probabilities and ratios: enough to compare ru
 _LINE_BREAKS = re.compile(r"\s*[\t\r\n\v\f\x1c-\x1e\x85\u2028\u2029]+\s*")
 
 
-def render(transcript: Transcript, fmt: str) -> str:
+@dataclass(frozen=True)
+class SubtitleOptions:
+    """How srt, vtt and tsv cut word-timed transcripts into cues (openai-whisper's options).
+
+    Without max_line_width and max_line_count both, each segment stays one cue (split
+    every max_words_per_line words); with both, words fill lines of at most
+    max_line_width characters, max_line_count lines a cue (a pause over 3 s starts a new
+    one). highlight_words: srt and vtt repeat each cue once per word, that word underlined.
+    Segments without words are rendered as they are.
+    """
+
+    max_line_width: int | None = None
+    max_line_count: int | None = None
+    max_words_per_line: int | None = None
+    highlight_words: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self != SubtitleOptions()
+
+    def check(self, word_timestamps: bool) -> None:
+        """openai-whisper's rules: a usage error without word timestamps, no-effect warnings."""
+        if self.any and not word_timestamps:
+            raise WhisperCliError(
+                "--max-line-width, --max-line-count, --max-words-per-line and "
+                "--highlight-words need --word-timestamps",
+                exit_code=EXIT_USAGE,
+            )
+        for name in ("max_line_width", "max_line_count", "max_words_per_line"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                flag = "--" + name.replace("_", "-")
+                raise WhisperCliError(f"{flag} must be at least 1", exit_code=EXIT_USAGE)
+        if self.max_line_count and not self.max_line_width:
+            warnings.warn("--max-line-count has no effect without --max-line-width", stacklevel=2)
+        if self.max_words_per_line and self.max_line_width:
+            warnings.warn("--max-words-per-line has no effect with --max-line-width", stacklevel=2)
+
+
+def render(transcript: Transcript, fmt: str, subtitles: SubtitleOptions | None = None) -> str:
     """Return ``transcript`` rendered in ``fmt`` (one of FORMATS)."""
-    return _RENDERERS[_check_format(fmt)](transcript)
+    return _RENDERERS[_check_format(fmt)](transcript, subtitles or SubtitleOptions())
 
 
 def output_path(out_dir: Path, input_path: str, fmt: str) -> Path:
@@ -140,18 +181,94 @@ def _cue_lines(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def _cues(transcript: Transcript) -> Iterator[tuple[int, int, list[str]]]:
-    """(start ms, end ms, text lines) of each segment that has text to show."""
+Cue = tuple[int, int, list[str]]  # start ms, end ms, text lines
+
+
+def _cues(
+    transcript: Transcript, options: SubtitleOptions, escape: Callable[[str], str] = str
+) -> Iterator[Cue]:
+    """(start ms, end ms, escaped text lines) of every cue that has text to show."""
+    if any(s.words for s in transcript.segments):
+        yield from _word_cues(transcript.segments, options, escape)
+        return
     for segment in transcript.segments:
-        lines = _cue_lines(segment.text)
+        lines = _cue_lines(escape(segment.text))
         if lines:
             yield (*_span_ms(segment), lines)
+
+
+def _word_groups(segments: tuple[Segment, ...], o: SubtitleOptions) -> Iterator[list[Word]]:
+    """Words grouped into cues, openai-whisper's algorithm (SubtitlesWriter): a word's
+    text here begins with "\n" where it starts a new line of its cue."""
+    preserve_segments = o.max_line_count is None or o.max_line_width is None
+    max_width = o.max_line_width or 1000
+    per_line = o.max_words_per_line or 1000
+    line_len, line_count = 0, 1
+    cue: list[Word] = []
+    last = next((w.start for s in segments for w in s.words), segments[0].start)
+    for segment in segments:
+        for chunk in range(0, len(segment.words), per_line):
+            for i, word in enumerate(segment.words[chunk : chunk + per_line]):
+                long_pause = not preserve_segments and word.start - last > 3.0
+                has_room = line_len + len(word.word) <= max_width
+                seg_break = i == 0 and len(cue) > 0 and preserve_segments
+                if line_len > 0 and has_room and not long_pause and not seg_break:
+                    line_len += len(word.word)  # the line goes on
+                else:
+                    text = word.word.strip()
+                    if (
+                        cue
+                        and o.max_line_count is not None
+                        and (long_pause or line_count >= o.max_line_count)
+                    ) or seg_break:
+                        yield cue  # a new cue
+                        cue, line_count = [], 1
+                    elif line_len > 0:
+                        line_count += 1  # a new line in this cue
+                        text = "\n" + text
+                    line_len = len(text.strip())
+                    word = Word(text, word.start, word.end, word.probability)
+                cue.append(word)
+                last = word.start
+    if cue:
+        yield cue
+
+
+def _word_cues(
+    segments: tuple[Segment, ...], o: SubtitleOptions, escape: Callable[[str], str]
+) -> Iterator[Cue]:
+    for cue in _word_groups(segments, o):
+        texts = [escape(w.word) for w in cue]
+        start, end = _to_ms(cue[0].start), max(_to_ms(cue[0].start), _to_ms(cue[-1].end))
+        plain = _cue_lines("".join(texts))
+        if not plain:
+            continue
+        if not o.highlight_words:
+            yield start, end, plain
+            continue
+        # Each word in turn underlined over its own time; gaps between words show the
+        # plain cue (openai-whisper's --highlight_words).
+        last = start
+        for i, word in enumerate(cue):
+            w_start = max(_to_ms(word.start), last)
+            w_end = max(_to_ms(word.end), w_start)
+            if w_start > last:
+                yield last, w_start, plain
+            marked = [_underline(t) if j == i else t for j, t in enumerate(texts)]
+            yield w_start, w_end, _cue_lines("".join(marked))
+            last = w_end
+
+
+def _underline(text: str) -> str:
+    """<u>text</u>, leading whitespace (a space, a line break) kept outside the tag."""
+    body = text.lstrip()
+    return text[: len(text) - len(body)] + f"<u>{body}</u>" if body else text
 
 
 # --- renderers -----------------------------------------------------------------------------
 
 
-def _render_txt(transcript: Transcript) -> str:
+def _render_txt(transcript: Transcript, _: SubtitleOptions) -> str:
     if transcript.segments:
         lines = [_single_line(s.text) for s in transcript.segments]
     else:
@@ -160,10 +277,10 @@ def _render_txt(transcript: Transcript) -> str:
     return "".join(f"{line}\n" for line in lines)
 
 
-def _render_srt(transcript: Transcript) -> str:
+def _render_srt(transcript: Transcript, options: SubtitleOptions) -> str:
     cues = [
         f"{number}\n{_timestamp(start, ',')} --> {_timestamp(end, ',')}\n" + "\n".join(lines)
-        for number, (start, end, lines) in enumerate(_cues(transcript), start=1)
+        for number, (start, end, lines) in enumerate(_cues(transcript, options), start=1)
     ]
     return "\n\n".join(cues) + "\n" if cues else ""
 
@@ -174,21 +291,23 @@ def _vtt_escape(line: str) -> str:
     return line.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-def _render_vtt(transcript: Transcript) -> str:
+def _render_vtt(transcript: Transcript, options: SubtitleOptions) -> str:
     cues = [
-        f"{_timestamp(start, '.')} --> {_timestamp(end, '.')}\n"
-        + "\n".join(_vtt_escape(line) for line in lines)
-        for start, end, lines in _cues(transcript)
+        f"{_timestamp(start, '.')} --> {_timestamp(end, '.')}\n" + "\n".join(lines)
+        for start, end, lines in _cues(transcript, options, _vtt_escape)
     ]
     return "WEBVTT\n\n" + "\n\n".join(cues) + "\n" if cues else "WEBVTT\n"
 
 
-def _render_tsv(transcript: Transcript) -> str:
+def _render_tsv(transcript: Transcript, options: SubtitleOptions) -> str:
+    """One row per cue (per segment unless words were cut into cues); no highlighting."""
     rows = ["start\tend\ttext"]
-    for segment in transcript.segments:
-        text = _single_line(segment.text)
+    plain = SubtitleOptions(
+        options.max_line_width, options.max_line_count, options.max_words_per_line
+    )
+    for start, end, lines in _cues(transcript, plain):
+        text = _single_line(" ".join(lines))
         if text:
-            start, end = _span_ms(segment)
             rows.append(f"{start}\t{end}\t{text}")
     return "\n".join(rows) + "\n"
 
@@ -215,8 +334,17 @@ def _segment_dict(index: int, segment: Segment) -> dict[str, Any]:
     }
 
 
-def _transcript_dict(transcript: Transcript) -> dict[str, Any]:
+def _word_dict(word: Word) -> dict[str, Any]:
     return {
+        "word": word.word,
+        "start": _to_ms(word.start) / 1000,
+        "end": max(_to_ms(word.start), _to_ms(word.end)) / 1000,
+        "probability": _number(word.probability, _SCORE_DECIMALS),
+    }
+
+
+def _transcript_dict(transcript: Transcript) -> dict[str, Any]:
+    data = {
         "path": transcript.path,
         "text": transcript.text,
         "language": transcript.language,
@@ -229,20 +357,24 @@ def _transcript_dict(transcript: Transcript) -> dict[str, Any]:
         },
         "segments": [_segment_dict(i, s) for i, s in enumerate(transcript.segments)],
     }
+    if any(s.words for s in transcript.segments):  # word timestamps were asked for
+        for segment, item in zip(transcript.segments, data["segments"], strict=True):
+            item["words"] = [_word_dict(w) for w in segment.words]
+    return data
 
 
-def _render_json(transcript: Transcript) -> str:
+def _render_json(transcript: Transcript, _: SubtitleOptions) -> str:
     # allow_nan=False: the output must be valid JSON for any strict reader.
     text = json.dumps(_transcript_dict(transcript), indent=2, ensure_ascii=False, allow_nan=False)
     return text + "\n"
 
 
-def _render_jsonl(transcript: Transcript) -> str:
+def _render_jsonl(transcript: Transcript, _: SubtitleOptions) -> str:
     text = json.dumps(_transcript_dict(transcript), ensure_ascii=False, allow_nan=False)
     return text + "\n"
 
 
-_RENDERERS: dict[str, Callable[[Transcript], str]] = {
+_RENDERERS: dict[str, Callable[[Transcript, SubtitleOptions], str]] = {
     "txt": _render_txt,
     "json": _render_json,
     "jsonl": _render_jsonl,

@@ -16,6 +16,8 @@ from torch import nn
 
 from whisper_cli.config import ModelConfig
 
+KV = tuple[torch.Tensor, torch.Tensor]  # keys and values, (B, H, S, D) each
+
 
 class KVCache(nn.Module):
     """Keys and values of one attention layer, preallocated and written in place.
@@ -79,10 +81,10 @@ class Attention(nn.Module):
         b, h, t, d = y.shape
         return self.out_proj(y.transpose(1, 2).reshape(b, t, h * d))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Uncached full self-attention (the encoder)."""
+    def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        """Uncached full self-attention (the encoder; causal: a whole decoder sequence)."""
         q, k, v = (self.split_heads(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
-        return self.attend(q, k, v)
+        return self.attend(q, k, v, causal=causal)
 
     def forward_cached_self(
         self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, visible: int
@@ -102,6 +104,30 @@ class Attention(nn.Module):
     def forward_cross(self, x: torch.Tensor) -> torch.Tensor:
         """Cross-attention over the encoder K/V filled once per batch."""
         return self.attend(self.split_heads(self.q_proj(x)), self.kv_cache.k, self.kv_cache.v)
+
+    def cross_kv(self, audio: torch.Tensor) -> KV:
+        """(B, S, C) encoder output -> its cross-attention K and V, (B, H, S, D) each."""
+        return self.split_heads(self.k_proj(audio)), self.split_heads(self.v_proj(audio))
+
+    def forward_cross_scores(
+        self,
+        x: torch.Tensor,
+        kv: KV | None,
+        heads: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Cross-attention over `kv` (None: the cache), and the scores of the given heads.
+
+        scaled_dot_product_attention returns no weights, so they are computed explicitly,
+        for these heads only, as openai-whisper does: (q * D^-1/4) @ (k * D^-1/4)^T, in
+        the model dtype, (B, len(heads), T, S), before the softmax.
+        """
+        q = self.split_heads(self.q_proj(x))
+        k, v = (self.kv_cache.k, self.kv_cache.v) if kv is None else kv
+        scores = None
+        if heads is not None:
+            scale = q.shape[-1] ** -0.25
+            scores = (q[:, heads] * scale) @ (k[:, heads] * scale).transpose(-1, -2)
+        return self.attend(q, k, v), scores
 
     def fill_cross(self, audio: torch.Tensor) -> None:
         # audio: (B, S, C) encoder output; all S positions written at once.
@@ -143,6 +169,20 @@ class DecoderLayer(nn.Module):
         x = x + self.encoder_attn.forward_cross(self.encoder_attn_layer_norm(x))
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
+    def forward_aligned(
+        self,
+        x: torch.Tensor,
+        kv: KV | None,
+        heads: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A whole sequence from position 0, uncached (see Decoder.forward_aligned)."""
+        x = x + self.self_attn(self.self_attn_layer_norm(x), causal=True)
+        y, scores = self.encoder_attn.forward_cross_scores(
+            self.encoder_attn_layer_norm(x), kv, heads
+        )
+        x = x + y
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x)))), scores
+
 
 class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -179,6 +219,12 @@ class Decoder(nn.Module):
         )
         self.layer_norm = nn.LayerNorm(c)
         self.cross_source: torch.Tensor | None = None  # encoder output the cross caches hold
+        # Word timing sets this: keep_rows then keeps the whole batch's cross K/V (one
+        # (k, v) per layer, with the encoder output they came from) for the alignment
+        # pass, instead of projecting the encoder output again (~15% of the encoder's work
+        # for tiny). Dropped when the caches are filled for the next batch.
+        self.retain_cross = False
+        self.retained_cross: tuple[torch.Tensor, list[KV]] | None = None
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, visible: int | None = None
@@ -201,8 +247,39 @@ class Decoder(nn.Module):
             mask = torch.arange(cache_len, device=tokens.device) <= positions[:, None]
         for layer in self.layers:
             x = layer(x, positions, mask, visible or 0)
-        x = self.layer_norm(x)
-        return x @ self.embed_tokens.weight.T  # output projection tied to the embedding
+        return self.logits(self.layer_norm(x))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., C) final hidden states -> (..., V) logits."""
+        return hidden @ self.embed_tokens.weight.T  # output projection tied to the embedding
+
+    def forward_aligned(
+        self, tokens: torch.Tensor, audio: torch.Tensor, heads: dict[int, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced pass for word timing: whole sequences (B, T) from position 0.
+
+        Returns the final hidden states (B, T, C) (logits via `logits`, in slices: all T
+        at once would be B * T * V) and the cross-attention scores of the alignment heads
+        `heads` ({layer: head indices}), (B, n_heads, T, S), in the model dtype, ordered
+        by layer then head. Self-attention runs over the sequence itself, leaving the
+        self caches alone; cross-attention reads the cross caches when they still hold
+        this batch's `audio` (B, S, C), and otherwise projects it again.
+        """
+        retained = self.retained_cross
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embed_tokens(tokens) + self.embed_positions(positions)
+        scores = []
+        for index, layer in enumerate(self.layers):
+            if self.cross_source is audio:
+                kv = None  # the caches hold this batch
+            elif retained is not None and retained[0] is audio:
+                kv = retained[1][index]
+            else:
+                kv = layer.encoder_attn.cross_kv(audio)
+            x, layer_scores = layer.forward_aligned(x, kv, heads.get(index))
+            if layer_scores is not None:
+                scores.append(layer_scores)
+        return self.layer_norm(x), torch.cat(scores, dim=1)
 
     def setup_caches(self, batch: int, length: int, audio_frames: int) -> None:
         """Preallocate self- and cross-attention caches in the weights' dtype and device."""
@@ -216,13 +293,18 @@ class Decoder(nn.Module):
                 batch, self.heads, audio_frames, head_dim, w.dtype, w.device
             )
         self.cross_source = None
+        self.retained_cross = None
 
     def fill_cross_caches(self, audio: torch.Tensor) -> None:
         for layer in self.layers:
             layer.encoder_attn.fill_cross(audio)
         self.cross_source = audio
+        self.retained_cross = None
 
     def keep_rows(self, rows: torch.Tensor) -> None:
+        if self.retain_cross and self.cross_source is not None:
+            cross = [(a.kv_cache.k, a.kv_cache.v) for a in (la.encoder_attn for la in self.layers)]
+            self.retained_cross = (self.cross_source, cross)
         for layer in self.layers:
             layer.self_attn.kv_cache.keep_rows(rows)
             layer.encoder_attn.kv_cache.keep_rows(rows)

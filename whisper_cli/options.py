@@ -91,3 +91,4 @@ class TranscribeOptions:
     # language). Off: every window of the input is decoded, as plain Whisper does.
     vad: bool = True
     policy: Policy = Policy()
+    word_timestamps: bool = False  # words with times (one alignment pass per batch)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TextIO
 
 from whisper_cli.errors import WhisperCliError
-from whisper_cli.formats import FORMATS, output_path, render, write_atomic
+from whisper_cli.formats import FORMATS, SubtitleOptions, output_path, render, write_atomic
 from whisper_cli.inputs import InputFile
 from whisper_cli.results import Transcript
 
@@ -26,10 +26,16 @@ class OutputPlan:
     subdirs: dict[str, Path] = field(default_factory=dict)
     # Folders prepare() created, so that a run that fails before writing leaves none.
     created: list[Path] = field(default_factory=list)
+    subtitles: SubtitleOptions = field(default_factory=SubtitleOptions)  # word cues
 
     @classmethod
     def make(
-        cls, fmt: str, output_dir: Path | None, inputs: list[InputFile], n_inputs: int
+        cls,
+        fmt: str,
+        output_dir: Path | None,
+        inputs: list[InputFile],
+        n_inputs: int,
+        subtitles: SubtitleOptions | None = None,
     ) -> OutputPlan:
         """Validate a --format / --output-dir combination (a usage error if impossible).
 
@@ -51,7 +57,9 @@ class OutputPlan:
                     f"(only {' and '.join(STREAMABLE)} can go to stdout together)"
                 )
         subdirs = {i.path: i.subdir for i in inputs}
-        return cls(formats, output_dir, n_inputs > 1, subdirs)
+        return cls(
+            formats, output_dir, n_inputs > 1, subdirs, subtitles=subtitles or SubtitleOptions()
+        )
 
     def paths(self, input_path: str) -> list[Path]:
         assert self.output_dir is not None
@@ -127,13 +135,13 @@ class OutputPlan:
             fmt = self.formats[0]
             if fmt == "txt" and self.multiple_inputs:
                 stdout.write(f"==> {transcript.path} <==\n")
-            stdout.write(render(transcript, fmt))
+            stdout.write(render(transcript, fmt, self.subtitles))
             stdout.flush()
             return []
         written = []
         for fmt, path in zip(self.formats, self.paths(transcript.path), strict=True):
             try:
-                write_atomic(path, render(transcript, fmt))
+                write_atomic(path, render(transcript, fmt, self.subtitles))
             except OSError as exc:  # unwritable directory, disk full: the run cannot go on
                 raise WhisperCliError(f"cannot write {path}: {exc.strerror or exc}") from exc
             written.append(path)

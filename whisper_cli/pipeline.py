@@ -30,8 +30,9 @@ from whisper_cli.features import SAMPLE_RATE, batch_log_mel
 from whisper_cli.loading import LoadedModel
 from whisper_cli.options import Policy, TranscribeOptions
 from whisper_cli.results import Segment, Transcript
-from whisper_cli.segments import compression_ratio, window_segments
+from whisper_cli.segments import attach_words, compression_ratio, window_segments
 from whisper_cli.speech import FRAME_SECONDS, load_detector
+from whisper_cli.timing import Aligner, AlignRow
 from whisper_cli.tokenizer import TIME_PRECISION
 from whisper_cli.windows import Window, WindowCutter
 
@@ -161,6 +162,7 @@ class Transcriber:
         )
         # The map also places the cuts with the detector off, so it is always loaded.
         self.detector = load_detector()
+        self.aligner = Aligner(loaded, options.task) if options.word_timestamps else None
         # A compiled step has one batch shape: pad the last batch up to it.
         self.pad_batches = options.compile
         self.rows = options.batch_size  # halved for the rest of the run on out-of-memory
@@ -345,7 +347,8 @@ class Transcriber:
         seeds = [self._seed(j) for j in batch] + [0] * pad
         rows = self.decoder.decode(features, languages, speech_after, temperatures, seeds)
         again = []
-        for job, row in zip(batch, rows, strict=False):
+        final: list[tuple[int, _Job, DecodedRow, list[Segment]]] = []
+        for r, (job, row) in enumerate(zip(batch, rows, strict=False)):
             if self._needs_fallback(row) and job.attempt + 1 < len(self.policy.temperatures):
                 job.candidates.append(row)
                 job.attempt += 1
@@ -359,8 +362,38 @@ class Transcriber:
                 item.hit_max_tokens += row.hit_max_tokens
                 item.looped += row.looped
             item.too_repetitive += repetitive
-            item.segments.extend(segments)
+            final.append((r, job, row, segments))
+        self._attach(inputs, batch, features, final)
         return again
+
+    def _attach(
+        self,
+        inputs: list[_Input],
+        batch: list[_Job],
+        features: torch.Tensor,
+        final: list[tuple[int, _Job, DecodedRow, list[Segment]]],
+    ) -> None:
+        """The batch's finished windows' segments to their inputs: with their words, from
+        one alignment pass over the batch, when words are asked for.
+
+        A row that falls back is aligned with no text here; it is aligned in the batch
+        where it finishes (its encoder output is the same there)."""
+        if self.aligner is None:
+            for _, job, _, segments in final:
+                inputs[job.window.source].segments.extend(segments)
+            return
+        text = [AlignRow((), len(j.window.audio), j.language) for j in batch]
+        for r, job, row, segments in final:
+            tokens = sum((s.tokens for s in segments), ())
+            text[r] = AlignRow(tokens, len(job.window.audio), row.language)
+        aligned = self.aligner.align(features, text)
+        for r, job, _, segments in final:
+            done = inputs[job.window.source].segments
+            # openai-whisper's last_speech: where the input's speech before this window ends
+            # (windows that fell back finish later than the ones after them).
+            before = [s.end for s in done if s.end <= job.window.start]
+            last_speech = max(before, default=0.0)
+            done.extend(attach_words(segments, aligned[r], job.window.start, last_speech))
 
     def _seed(self, job: _Job) -> int:
         """A window's sampling seed: from the policy's seed, where the window lies in its

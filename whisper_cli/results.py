@@ -6,6 +6,19 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class Word:
+    """One word with its time in seconds from the start of the input (--word-timestamps).
+
+    `word` keeps its leading space, as decoded, so joining a segment's words gives its text.
+    """
+
+    word: str
+    start: float
+    end: float
+    probability: float
+
+
+@dataclass(frozen=True)
 class Segment:
     """One timed piece of a transcript; times in seconds from the start of the input."""
 
@@ -17,6 +30,7 @@ class Segment:
     no_speech_prob: float = 0.0
     compression_ratio: float = 0.0
     language: str | None = None
+    words: tuple[Word, ...] = ()  # empty unless word timestamps were asked for
 
 
 @dataclass(frozen=True)

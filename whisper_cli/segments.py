@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import zlib
+from dataclasses import replace
 
-from whisper_cli.results import Segment
+from whisper_cli.results import Segment, Word
+from whisper_cli.timing import WindowWords
 from whisper_cli.tokenizer import TIME_PRECISION, Tokenizer
 
 
@@ -72,3 +74,64 @@ def window_segments(
             )
         )
     return segments
+
+
+def attach_words(
+    segments: list[Segment],
+    window: WindowWords,
+    offset: float,
+    last_speech: float,
+) -> list[Segment]:
+    """The window's segments with their words, start and end refined from them.
+
+    openai-whisper's rules: the window's words are dealt to its segments in token order
+    (each segment takes words until it has its tokens); after a pause (the first word
+    ends over 4 median word durations after `last_speech`, the input's previous segment
+    end), an overlong first word, or first two, are cut to twice the median duration.
+    A segment then starts at its first word and ends at its last, except where that word
+    runs over 0.5 s past the decoded segment time: then the word is cut to it instead.
+    """
+    median, longest = window.median_duration, window.max_duration
+    timings = list(window.words)
+    out: list[Segment] = []
+    at = 0
+    for segment in segments:
+        taken, words = 0, []
+        while at < len(timings) and taken < len(segment.tokens):
+            timing = timings[at]
+            if timing.word:
+                words.append(
+                    [timing.word, offset + timing.start, offset + timing.end, timing.probability]
+                )
+            taken += len(timing.tokens)
+            at += 1
+        start, end = segment.start, segment.end
+        if words:
+            first = words[0]
+            if first[2] - last_speech > median * 4 and (
+                first[2] - first[1] > longest
+                or (len(words) > 1 and words[1][2] - first[1] > longest * 2)
+            ):
+                if len(words) > 1 and words[1][2] - words[1][1] > longest:
+                    boundary = max(words[1][2] / 2, words[1][2] - longest)
+                    first[2] = words[1][1] = boundary
+                first[1] = max(0.0, first[2] - longest)
+            if start < first[2] and start - 0.5 > first[1]:
+                first[1] = max(0.0, min(first[2] - median, start))
+            else:
+                start = first[1]
+            last = words[-1]
+            if end > last[1] and end + 0.5 < last[2]:
+                last[2] = max(last[1] + median, end)
+            else:
+                end = last[2]
+            last_speech = end
+        out.append(
+            replace(
+                segment,
+                start=round(start, 3),
+                end=round(end, 3),
+                words=tuple(Word(w, round(s, 3), round(e, 3), p) for w, s, e, p in words),
+            )
+        )
+    return out

@@ -1,0 +1,306 @@
+"""Word timestamps on real speech: parity with openai-whisper, batching, dtypes, outputs.
+
+The reference is openai-whisper's own `add_word_timestamps` (tests/reference_whisper.py)
+run on the very same weights, log-mel, text tokens and segment times as ours, so that
+what is compared is the alignment and the word rules alone.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import json
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from reference_whisper import boundary_errors, reference_model, reference_words
+from test_formats import assert_monotonic, parse_srt, parse_vtt
+from typer.testing import CliRunner
+from util import real_model, shared_clip
+
+from whisper_cli.audio import open_audio
+from whisper_cli.decoding import DecodeOptions, GreedyDecoder
+from whisper_cli.dtypes import resolve_policy
+from whisper_cli.features import SAMPLE_RATE, batch_log_mel
+from whisper_cli.loading import load_model
+from whisper_cli.segments import attach_words, window_segments
+from whisper_cli.timing import Aligner, AlignRow
+
+# The shared English clips, each one window (multilingual.mp3: its English first 30 s).
+ENGLISH = [
+    ("jfk.flac", None),
+    ("hotwords.mp3", None),
+    ("stereo_diarization.wav", "left"),
+    ("stereo_diarization.wav", "right"),
+    ("multilingual.mp3", None),
+]
+
+
+def english_windows() -> list[np.ndarray]:
+    windows = []
+    for name, channel in ENGLISH:
+        source = open_audio(str(shared_clip(name)), channel=channel)
+        windows.append(np.concatenate(list(source.blocks()))[: 30 * SAMPLE_RATE])
+    return windows
+
+
+def all_words(transcript) -> list:
+    return [w for s in transcript.segments for w in s.words]
+
+
+# --- parity with openai-whisper ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["tiny_en", "base_model"])
+def test_word_times_match_openai_whisper_on_the_same_tokens(model_name, request):
+    """One batch of the English clips, aligned in one pass; the reference window by window."""
+    loaded = request.getfixturevalue(model_name)
+    windows = english_windows()
+    mel = batch_log_mel(windows, len(windows), loaded.config.num_mel_bins, torch.device("cpu"))
+    decoder = GreedyDecoder(loaded, DecodeOptions())
+    language = "en" if loaded.tokenizer.is_multilingual else None
+    with torch.inference_mode():
+        features = decoder.encode(mel)
+        rows = decoder.decode(features, [language] * len(windows))
+    segments = [
+        window_segments(
+            row.tokens,
+            loaded.tokenizer,
+            offset=0.0,
+            duration=len(audio) / SAMPLE_RATE,
+            avg_logprob=row.avg_logprob,
+            no_speech_prob=row.no_speech_prob,
+            language=language,
+        )
+        for row, audio in zip(rows, windows, strict=True)
+    ]
+    aligned = Aligner(loaded).align(
+        features,
+        [
+            AlignRow(sum((s.tokens for s in segs), ()), len(audio), language)
+            for segs, audio in zip(segments, windows, strict=True)
+        ],
+    )
+    reference = reference_model(loaded)
+    errors = []
+    for segs, words, audio, window_mel in zip(segments, aligned, windows, mel, strict=True):
+        ours = attach_words(segs, words, offset=0.0, last_speech=0.0)
+        with torch.no_grad():
+            theirs, their_segments = reference_words(
+                reference, loaded, segs, window_mel, len(audio), 0.0, 0.0, "en"
+            )
+        errors.append(
+            boundary_errors([(w.word, w.start, w.end) for s in ours for w in s.words], theirs)
+        )
+        # Segment times refined from the words, as the reference refines them.
+        np.testing.assert_allclose([(s.start, s.end) for s in ours], their_segments, atol=0.1)
+    errors = np.concatenate(errors)
+    assert len(errors) > 2 * 100  # about 130 words
+    within = {ms: float((errors <= ms / 1000 + 1e-9).mean()) for ms in (20, 50, 100)}
+    summary = f"{model_name}: {len(errors)} boundaries, within {within}, worst {errors.max():.3f} s"
+    print(summary)
+    assert within[20] >= 0.95, summary
+    assert errors.max() <= 0.1, summary
+
+
+# --- the pipeline ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def jfk_words(tiny_en):
+    from whisper_cli.pipeline import TranscribeOptions, Transcriber
+
+    return Transcriber(tiny_en, TranscribeOptions(word_timestamps=True)).transcribe(
+        str(shared_clip("jfk.flac"))
+    )
+
+
+def test_jfk_americans_is_where_openai_whisper_puts_it(jfk_words):
+    """openai-whisper's own test: "Americans" starts by 1.8 s and ends after it."""
+    words = all_words(jfk_words)
+    americans = next(w for w in words if "Americans" in w.word)
+    assert americans.start <= 1.8 < americans.end
+
+
+def test_jfk_words_are_monotonic_inside_their_segments(jfk_words):
+    words = all_words(jfk_words)
+    text = "".join(w.word for w in words)
+    assert text.strip() == jfk_words.text
+    for segment in jfk_words.segments:
+        assert segment.words
+        assert "".join(w.word for w in segment.words) == segment.text
+        assert segment.words[0].start == segment.start
+        for word in segment.words:
+            assert segment.start <= word.start <= word.end <= segment.end
+            assert 0.0 <= word.probability <= 1.0
+    assert all(a.end <= b.start for a, b in itertools.pairwise(words))
+    assert words[-1].end < jfk_words.duration  # 11.0 s
+
+
+@pytest.fixture(scope="module")
+def long_input(tmp_path_factory) -> str:
+    """The English windows one after another (about 50 s): two windows of different lengths."""
+    path = tmp_path_factory.mktemp("words") / "long.wav"
+    sf.write(path, np.concatenate(english_windows()[:3] + english_windows()[4:]), SAMPLE_RATE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def long_f32(tiny_en, long_input):
+    """tiny.en f32 on the long input, batch size 16."""
+    from whisper_cli.pipeline import TranscribeOptions, Transcriber
+
+    return Transcriber(tiny_en, TranscribeOptions(word_timestamps=True)).transcribe(long_input)
+
+
+def matched(a: list, b: list) -> list[tuple]:
+    """Pairs of the same word in two transcripts (texts may differ slightly)."""
+    words_a, words_b = [w.word for w in a], [w.word for w in b]
+    matcher = difflib.SequenceMatcher(None, words_a, words_b, autojunk=False)
+    return [
+        (a[block.a + k], b[block.b + k])
+        for block in matcher.get_matching_blocks()
+        for k in range(block.size)
+    ]
+
+
+@pytest.mark.slow
+def test_batch_of_one_and_of_sixteen_give_the_same_word_times(
+    tiny_en, transcriber, long_input, long_f32
+):
+    one = transcriber(tiny_en, word_timestamps=True, batch_size=1).transcribe(long_input)
+    windows = {round(s.start // 30) for s in long_f32.segments}
+    assert len(windows) == 2  # batched together, rows of different lengths
+    pairs = matched(all_words(one), all_words(long_f32))
+    assert len(pairs) >= 0.95 * len(all_words(one)) > 100
+    diffs = np.array([(abs(a.start - b.start), abs(a.end - b.end)) for a, b in pairs])
+    assert diffs.max() <= 0.02
+
+
+@pytest.mark.slow
+def test_bf16_word_times_are_within_40_ms_of_f32(transcriber, long_input, long_f32):
+    bf16 = load_model(str(real_model("tiny.en")), resolve_policy("bf16", "cpu"))
+    ours = transcriber(bf16, word_timestamps=True).transcribe(long_input)
+    pairs = matched(all_words(ours), all_words(long_f32))
+    assert len(pairs) >= 0.9 * len(all_words(long_f32)) > 100
+    diffs = np.array([(abs(a.start - b.start), abs(a.end - b.end)) for a, b in pairs]).ravel()
+    assert (diffs <= 0.04 + 1e-9).mean() >= 0.95, np.percentile(diffs, [50, 95, 100])
+
+
+# --- outputs through the CLI -------------------------------------------------------------------
+
+
+def transcribe(*args: str) -> str:
+    result = CliRunner().invoke(app_module().app, ["transcribe", *args])
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    return result.stdout
+
+
+def app_module():
+    import whisper_cli.cli
+
+    return whisper_cli.cli
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cached_cli_models")
+def test_subtitles_with_three_words_per_line_hold_every_word_once(long_input, tmp_path):
+    """Every word once, in order, at most 3 a cue; the strict parsers accept the files."""
+    model = str(real_model("tiny.en"))
+    transcribe(
+        long_input,
+        "-m",
+        model,
+        "-q",
+        "--word-timestamps",
+        "--max-words-per-line",
+        "3",
+        "-f",
+        "all",
+        "-o",
+        str(tmp_path),
+    )
+    data = json.loads((tmp_path / "long.json").read_text())
+    words = [w["word"].strip() for s in data["segments"] for w in s["words"]]
+    assert len(words) > 100
+    for fmt, parse in (("srt", parse_srt), ("vtt", parse_vtt)):
+        cues = parse((tmp_path / f"long.{fmt}").read_text())
+        assert_monotonic(cues)
+        assert all(len(text.split()) <= 3 for _, _, text in cues)
+        assert [w for _, _, text in cues for w in text.split()] == words
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(cues))
+    rows = (tmp_path / "long.tsv").read_text().splitlines()[1:]
+    assert [w for row in rows for w in row.split("\t")[2].split()] == words
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_json_words_carry_word_start_end_probability():
+    out = transcribe(
+        str(shared_clip("jfk.flac")),
+        "-m",
+        str(real_model("tiny.en")),
+        "-q",
+        "--word-timestamps",
+        "-f",
+        "jsonl",
+    )
+    (record,) = [json.loads(line) for line in out.splitlines()]
+    for segment in record["segments"]:
+        assert segment["words"]
+        for word in segment["words"]:
+            assert set(word) == {"word", "start", "end", "probability"}
+            assert segment["start"] <= word["start"] <= word["end"] <= segment["end"]
+
+
+def test_word_options_need_word_timestamps():
+    result = CliRunner().invoke(
+        app_module().app,
+        [
+            "transcribe",
+            str(shared_clip("jfk.flac")),
+            "-m",
+            str(real_model("tiny.en")),
+            "-f",
+            "srt",
+            "--max-words-per-line",
+            "3",
+        ],
+    )
+    assert result.exit_code == 2
+    assert "need --word-timestamps" in result.stderr
+    assert result.stdout == ""
+
+
+def test_cached_retained_and_reprojected_cross_attention_give_the_same_words(tiny_en):
+    """The pass reads the cross K/V of the decode: from the caches where the whole (padded)
+    batch stayed there (compiled path), from the K/V kept back when the eager decode
+    dropped finished rows, or else projected again from the encoder output: same words."""
+    windows = english_windows()[:2]
+    mel = batch_log_mel(windows, 3, tiny_en.config.num_mel_bins, torch.device("cpu"))  # 1 pad
+    aligner = Aligner(tiny_en)
+    decoder_module = tiny_en.model.decoder
+    results = []
+    for shrink in (False, True, None):
+        decoder = GreedyDecoder(
+            tiny_en, DecodeOptions(max_new_tokens=48, shrink_batch=bool(shrink))
+        )
+        with torch.inference_mode():
+            features = decoder.encode(mel)
+            rows = decoder.decode(features, [None] * 3)
+        if shrink is None:
+            features = features.clone()  # not what the decode saw: projected again
+        else:
+            assert (decoder_module.cross_source is features) == (not shrink)
+            assert (decoder_module.retained_cross is not None) == shrink
+        text = [tuple(t for t in r.tokens if t < tiny_en.tokenizer.special.eot) for r in rows]
+        results.append(
+            aligner.align(
+                features, [AlignRow(t, len(a)) for t, a in zip(text, windows, strict=False)]
+            )
+        )
+        assert decoder_module.retained_cross is None  # released after the pass
+    assert results[0] == results[1] == results[2]
+    assert all(len(w.words) > 5 for w in results[0])
