@@ -170,10 +170,12 @@ class WindowCutter:
         """The window being filled, with the open stretch, is longer than 30 s: cut it where
         it is least speech-like, so that windows come out full.
 
-        In the last `search` frames before the limit: the middle of the longest run of
-        non-speech frames (a pause too short to end the stretch, or the gap before it) if
-        there is one, else the frame of least speech probability (a 3-frame mean: one dip
-        is not a pause). A cut before the open stretch starts ends the window at its last
+        In the last `search` frames before the limit: a quarter into the longest run of
+        non-speech frames (a pause too short to end the stretch, or the gap before it; at
+        most a pad into it) if there is one, so that the next window opens with most of
+        the pause before its first word, as Whisper's training windows do and as a pad
+        does; else the frame of least speech probability (a 3-frame mean: one dip is not
+        a pause). A cut before the open stretch starts ends the window at its last
         piece; a cut inside it ends the window there and the stretch goes on from the cut
         (with the detector on, from a pad before the pause ends: the pause is not decoded).
         """
@@ -182,9 +184,8 @@ class WindowCutter:
         quiet = ~np.array(self._speech_frames(first, limit), dtype=bool)
         if quiet.any():
             run_first, run_last = longest_run(quiet)
-            cut = resume = first + (run_first + run_last + 1) // 2
+            cut = resume = first + run_first + min(self.pad, (run_last + 1 - run_first) // 4)
             if self.vad:  # the pause itself need not be decoded: a pad either side of it
-                cut = min(cut, first + run_first + self.pad)
                 resume = max(resume, first + run_last + 1 - self.pad)
         else:
             probs = self.stream.map()[first:limit]
