@@ -62,7 +62,7 @@ def cut(x: np.ndarray, seed: int = 0, largest: int = 100_000, **kwargs) -> list[
 def check_window(w: Window, x: np.ndarray) -> None:
     a = w.first_sample
     np.testing.assert_array_equal(w.audio, x[a : a + len(w.audio)])  # one stretch of input
-    assert 0 < len(w.audio) <= MAX_FRAMES * F
+    assert 0 < len(w.audio) <= 30 * SR
     assert len(w.speech) == -(-len(w.audio) // F)
 
 
@@ -170,6 +170,12 @@ def test_blocks_must_be_mono() -> None:
 # --- with the detector off: windows tile the input -------------------------------------------
 
 
+def test_thirty_seconds_is_one_window() -> None:
+    for vad in (True, False):
+        (w,) = cut(np.full(30 * SR, 0.9, np.float32), vad=vad)
+        assert w.duration == 30.0
+
+
 @pytest.mark.parametrize("seconds", [0.01, 0.5, 29.98, 30.0, 31.0, 125.3])
 def test_detector_off_tiles_the_input_exactly(seconds: float) -> None:
     n = round(seconds * SR)
@@ -236,7 +242,7 @@ def test_one_hour_streams_in_bounded_memory() -> None:
     )
     report = json.loads(result.stdout)
     assert sum(report["off"]) == 3600 * SR  # detector off: every sample, once
-    assert max(report["on"] + report["off"]) <= MAX_FRAMES * F
+    assert max(report["on"] + report["off"]) <= 30 * SR
     # Detector on: all the speech (2/3 of the input), not the pauses between windows.
     assert 2 / 3 * 3600 * SR < sum(report["on"]) < 0.95 * 3600 * SR
     assert report["extra_peak_mib"] < PEAK_BOUND_MB, report["extra_peak_mib"]

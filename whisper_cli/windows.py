@@ -87,6 +87,9 @@ class WindowCutter:
         self.stream = SpeechStream(detector)
         frames = lambda s: max(0, round(s / FRAME_SECONDS))  # noqa: E731
         self.max_frames = int(max_seconds / FRAME_SECONDS)  # 937 frames: 29.98 s
+        # ... and the input's last, partial frame may take a window to the full 30 s: an
+        # input of exactly 30 s is one window, not one and a 16 ms tail.
+        self.max_samples = round(max_seconds * SAMPLE_RATE)
         self.pad = frames(policy.speech_pad_seconds)
         self.min_speech = max(1, frames(policy.min_speech_seconds))
         self.min_silence = max(1, frames(policy.min_silence_seconds))
@@ -144,7 +147,7 @@ class WindowCutter:
                     self._run = (self._run[0], i + 1)
             elif self._run is not None and i + 1 - self._run[1] >= self.min_silence:
                 yield from self._close_run()
-            if self._run is not None and self._frame - self._window_start() > self.max_frames:
+            if self._run is not None and self._too_long(self._frame):
                 yield from self._split()
         self._drop_unneeded_audio()
 
@@ -162,6 +165,11 @@ class WindowCutter:
         # Detector off: the windows tile the input, up to its last sample.
         end = min(last + self.pad, self._frame) if self.vad else self._frame
         yield from self._add_piece(self._piece_from, end)
+
+    def _too_long(self, end: int) -> bool:
+        """Whether the window being filled would pass 30 s if it ended at frame `end`."""
+        end_sample = min(end * FRAME_SAMPLES, self.samples)
+        return end_sample - self._window_start() * FRAME_SAMPLES > self.max_samples
 
     def _window_start(self) -> int:
         return self._pieces[0][0] if self._pieces else self._piece_from
@@ -204,7 +212,7 @@ class WindowCutter:
     def _add_piece(self, start: int, end: int) -> Iterator[Window]:
         if end <= start:
             return
-        if self._pieces and end - self._pieces[0][0] > self.max_frames:
+        if self._pieces and self._too_long(end):
             yield from self._emit()
         self._pieces.append((start, end))
 
