@@ -87,6 +87,9 @@ class WindowCutter:
         self.stream = SpeechStream(detector)
         frames = lambda s: max(0, round(s / FRAME_SECONDS))  # noqa: E731
         self.max_frames = int(max_seconds / FRAME_SECONDS)  # 937 frames: 29.98 s
+        # ... and the input's last, partial frame may take a window to the full 30 s: an
+        # input of exactly 30 s is one window, not one and a 16 ms tail.
+        self.max_samples = round(max_seconds * SAMPLE_RATE)
         self.pad = frames(policy.speech_pad_seconds)
         self.min_speech = max(1, frames(policy.min_speech_seconds))
         self.min_silence = max(1, frames(policy.min_silence_seconds))
@@ -144,7 +147,7 @@ class WindowCutter:
                     self._run = (self._run[0], i + 1)
             elif self._run is not None and i + 1 - self._run[1] >= self.min_silence:
                 yield from self._close_run()
-            if self._run is not None and self._frame - self._window_start() > self.max_frames:
+            if self._run is not None and self._too_long(self._frame):
                 yield from self._split()
         self._drop_unneeded_audio()
 
@@ -163,6 +166,11 @@ class WindowCutter:
         end = min(last + self.pad, self._frame) if self.vad else self._frame
         yield from self._add_piece(self._piece_from, end)
 
+    def _too_long(self, end: int) -> bool:
+        """Whether the window being filled would pass 30 s if it ended at frame `end`."""
+        end_sample = min(end * FRAME_SAMPLES, self.samples)
+        return end_sample - self._window_start() * FRAME_SAMPLES > self.max_samples
+
     def _window_start(self) -> int:
         return self._pieces[0][0] if self._pieces else self._piece_from
 
@@ -170,10 +178,12 @@ class WindowCutter:
         """The window being filled, with the open stretch, is longer than 30 s: cut it where
         it is least speech-like, so that windows come out full.
 
-        In the last `search` frames before the limit: the middle of the longest run of
-        non-speech frames (a pause too short to end the stretch, or the gap before it) if
-        there is one, else the frame of least speech probability (a 3-frame mean: one dip
-        is not a pause). A cut before the open stretch starts ends the window at its last
+        In the last `search` frames before the limit: a quarter into the longest run of
+        non-speech frames (a pause too short to end the stretch, or the gap before it; at
+        most a pad into it) if there is one, so that the next window opens with most of
+        the pause before its first word, as Whisper's training windows do and as a pad
+        does; else the frame of least speech probability (a 3-frame mean: one dip is not
+        a pause). A cut before the open stretch starts ends the window at its last
         piece; a cut inside it ends the window there and the stretch goes on from the cut
         (with the detector on, from a pad before the pause ends: the pause is not decoded).
         """
@@ -182,9 +192,8 @@ class WindowCutter:
         quiet = ~np.array(self._speech_frames(first, limit), dtype=bool)
         if quiet.any():
             run_first, run_last = longest_run(quiet)
-            cut = resume = first + (run_first + run_last + 1) // 2
+            cut = resume = first + run_first + min(self.pad, (run_last + 1 - run_first) // 4)
             if self.vad:  # the pause itself need not be decoded: a pad either side of it
-                cut = min(cut, first + run_first + self.pad)
                 resume = max(resume, first + run_last + 1 - self.pad)
         else:
             probs = self.stream.map()[first:limit]
@@ -203,7 +212,7 @@ class WindowCutter:
     def _add_piece(self, start: int, end: int) -> Iterator[Window]:
         if end <= start:
             return
-        if self._pieces and end - self._pieces[0][0] > self.max_frames:
+        if self._pieces and self._too_long(end):
             yield from self._emit()
         self._pieces.append((start, end))
 
