@@ -28,9 +28,11 @@ from whisper_cli.results import Segment
 ENGLISH = EnglishTextNormalizer()
 BASIC = BasicTextNormalizer()
 
-# Phrases that occur once in their clip's reference and in no other clip.
+# Phrases that occur once in their clip's reference and in no other clip. They count
+# utterances (dropped or repeated), so none starts with a word the models often vary
+# ("ask" / "asked" in jfk).
 PHRASES = {
-    "jfk": ("ask not what your country", "my fellow americans"),
+    "jfk": ("not what your country can do for you", "my fellow americans"),
     "left": ("confused complaint against the wizard", "behind the curtain on the left"),
     "right": ("horizon seems extremely distant",),
     "licence": ("permission is hereby granted", "substantial portions of the software"),
