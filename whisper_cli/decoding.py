@@ -135,12 +135,6 @@ class GreedyDecoder:
         ids = torch.tensor([tokenizer.language_ids[c] for c in codes], device=device)
         return codes, f32_log_softmax(logits[:, 0, ids]).exp()  # over language tokens only
 
-    def detect_language(self, audio_features: torch.Tensor) -> list[LanguageGuess]:
-        """Most likely language of each row."""
-        codes, probs = self.language_probs(audio_features)
-        best = probs.argmax(dim=-1).tolist()
-        return [LanguageGuess(codes[i], float(probs[r, i])) for r, i in enumerate(best)]
-
     # -- greedy decode ---------------------------------------------------------------
 
     @torch.inference_mode()
