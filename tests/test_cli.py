@@ -794,14 +794,14 @@ def test_repetition_guard_cut_is_reported(monkeypatch: pytest.MonkeyPatch) -> No
     """Real speech rarely loops with tiny.en; the decoder's flag is set on its real rows."""
     import dataclasses
 
-    from whisper_cli.decoding import GreedyDecoder
+    from whisper_cli.engine import Engine
 
-    real = GreedyDecoder.decode
+    real = Engine.decode
 
     def looping(self, *args, **kwargs):
         return [dataclasses.replace(row, looped=True) for row in real(self, *args, **kwargs)]
 
-    monkeypatch.setattr(GreedyDecoder, "decode", looping)
+    monkeypatch.setattr(Engine, "decode", looping)
     result = transcribe(jfk(), "-m", tiny())
     assert warning_lines(result.stderr) == [
         f"whisper-cli: warning: {jfk()}: 1 window(s) kept repeating themselves at every "

@@ -1,44 +1,103 @@
-"""The compiled decode step gives the same tokens as the eager one."""
+"""The compiled step (torch.compile, inductor on CPU) is the eager step: same texts through
+the whole pipeline, fallback rows included, from one graph per step function."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from util import real_model, shared_clip
+from util import shared_clip
 
-from whisper_cli.audio import load_audio
-from whisper_cli.compiled import compiled_step
-from whisper_cli.decoding import DecodeOptions, GreedyDecoder
-from whisper_cli.dtypes import resolve_policy
-from whisper_cli.features import batch_log_mel
-from whisper_cli.loading import load_model
+from whisper_cli.audio import SAMPLE_RATE, load_audio
+from whisper_cli.decoding import DecodedRow
+from whisper_cli.options import Policy
+from whisper_cli.pipeline import Transcriber
+
+MARK = "horizon"  # the right speaker's text: "The horizon seems extremely distant."
 
 
-def decode_both(device: str, dtype: str, batch: int = 2, max_new_tokens: int = 48):
-    loaded = load_model(str(real_model("tiny.en")), resolve_policy(dtype, device))
-    audio = load_audio(shared_clip("jfk.flac"))
-    mel = batch_log_mel([audio] * batch, batch, loaded.config.num_mel_bins, loaded.model.device)
-    results = {}
-    for name, step in (("eager", None), ("compiled", compiled_step(loaded.model))):
-        options = DecodeOptions(max_new_tokens=max_new_tokens, shrink_batch=False)
-        decoder = GreedyDecoder(loaded, options, step=step)
-        with torch.inference_mode():
-            results[name] = decoder.decode(decoder.encode(mel), [None] * batch)
-    return loaded, results
+@pytest.fixture(scope="module")
+def five(tmp_path_factory) -> list[str]:
+    """Five inputs of different speech, one window each: three batches of two (the last
+    padded), the "right" speaker's window forced to fall back."""
+    import soundfile as sf
+
+    out = tmp_path_factory.mktemp("five")
+    stereo = shared_clip("stereo_diarization.wav")
+    clips = [
+        load_audio(shared_clip("jfk.flac")),
+        load_audio(stereo, "left"),
+        load_audio(stereo, "right"),
+        load_audio(shared_clip("hotwords.mp3"))[: 20 * SAMPLE_RATE],
+        load_audio(shared_clip("jfk.flac"))[: 6 * SAMPLE_RATE] * 0.5,
+    ]
+    paths = []
+    for i, audio in enumerate(clips):
+        paths.append(str(out / f"input{i}.wav"))
+        sf.write(paths[-1], audio, SAMPLE_RATE, subtype="FLOAT")
+    return paths
+
+
+def run(t: Transcriber, paths: list[str], monkeypatch) -> dict[str, list]:
+    real = Transcriber._needs_fallback
+    text = lambda row: t.loaded.tokenizer.decode(list(row.tokens)).lower()  # noqa: E731
+
+    def needs_fallback(self, row: DecodedRow) -> bool:
+        return real(self, row) or (MARK in text(row) and row.temperature < 0.5)
+
+    monkeypatch.setattr(Transcriber, "_needs_fallback", needs_fallback)
+    results, errors = [], []
+    t.run(paths, results.append, errors.append)
+    assert not errors
+    return {r.path: r.segments for r in results}
+
+
+def same(a: dict[str, list], b: dict[str, list]) -> None:
+    """Identical tokens, times and texts; log-probs equal up to float rounding (inductor
+    fuses the log-sum-exp differently)."""
+    assert a.keys() == b.keys()
+    for path in a:
+        assert [(s.start, s.end, s.text, s.tokens) for s in a[path]] == [
+            (s.start, s.end, s.text, s.tokens) for s in b[path]
+        ]
+        for x, y in zip(a[path], b[path], strict=True):
+            assert x.avg_logprob == pytest.approx(y.avg_logprob, abs=1e-4)
+            assert x.no_speech_prob == pytest.approx(y.no_speech_prob, abs=1e-4)
 
 
 @pytest.mark.slow
-def test_compiled_step_matches_eager_on_cpu():
-    """The same step function under torch.compile (inductor, CPU) gives identical tokens."""
-    loaded, results = decode_both("cpu", "f32")
-    eager = [r.tokens for r in results["eager"]]
-    assert [r.tokens for r in results["compiled"]] == eager
-    assert "country" in loaded.tokenizer.decode(eager[0])
+def test_compiled_pipeline_equals_eager_with_fallback_rows(tiny_en, five, transcriber, monkeypatch):
+    eager = transcriber(tiny_en, batch_size=2)
+    expected = run(eager, five, monkeypatch)
+    compiled = transcriber(tiny_en, batch_size=2, compile=True)
+    got = run(compiled, five, monkeypatch)
+    same(got, expected)
+    assert any(MARK in s.text.lower() for s in got[five[2]])
+    assert compiled.counters.fallbacks == eager.counters.fallbacks >= 2  # forced: 0.2, 0.4
+
+    counters = compiled.engine.counters
+    assert counters.decodes >= 4  # three batches of new windows, then the fallback rows
+    assert counters.decoded_rows == 2 * counters.decodes  # every batch padded to two rows
+    assert counters.graphs == 2  # one greedy, one sampling step: nothing recompiled
+    assert counters.recompiles == 0
+    assert counters.graph_breaks == 0
+    # The eager engine dropped finished rows; the compiled one kept its fixed batch.
+    assert eager.engine.counters.row_steps < 2 * eager.engine.counters.steps
+    assert counters.row_steps == 2 * counters.steps
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_compiled_step_matches_eager_on_cuda():
+def test_compiled_pipeline_equals_eager_on_cuda(five, monkeypatch):
+    from util import real_model
+
+    from whisper_cli.dtypes import resolve_policy
+    from whisper_cli.loading import load_model
+    from whisper_cli.options import TranscribeOptions
+
     for dtype in ("f32", "bf16"):
-        _, results = decode_both("cuda", dtype, batch=4)
-        assert [r.tokens for r in results["compiled"]] == [r.tokens for r in results["eager"]]
+        loaded = load_model(str(real_model("tiny.en")), resolve_policy(dtype, "cuda"))
+        texts = {}
+        for compile in (False, True):
+            options = TranscribeOptions(batch_size=2, compile=compile, policy=Policy())
+            texts[compile] = run(Transcriber(loaded, options), five, monkeypatch)
+        same(texts[True], texts[False])

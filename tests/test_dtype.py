@@ -19,7 +19,9 @@ from torch.utils._pytree import tree_flatten
 from util import real_model, shared_clip
 
 import whisper_cli.decoding as decoding
+import whisper_cli.engine as engine
 import whisper_cli.pipeline as pipeline
+import whisper_cli.rules as rules
 import whisper_cli.timing as timing
 from whisper_cli import dtypes, speech
 from whisper_cli.loading import load_model
@@ -101,10 +103,12 @@ def recorder(monkeypatch):
         return wrapped
 
     monkeypatch.setattr(speech.SpeechStream, "_score", detector(speech.SpeechStream._score))
-    monkeypatch.setattr(decoding, "encoder_input", encoder_door(decoding.encoder_input))
+    monkeypatch.setattr(engine, "encoder_input", encoder_door(engine.encoder_input))
     # The listed exceptions, wrapped where they are used.
     monkeypatch.setattr(pipeline, "batch_log_mel", exception(pipeline.batch_log_mel))
-    monkeypatch.setattr(decoding, "f32_log_softmax", exception(decoding.f32_log_softmax))
+    monkeypatch.setattr(engine, "f32_log_softmax", exception(engine.f32_log_softmax))
+    monkeypatch.setattr(rules, "f32_logsumexp", exception(rules.f32_logsumexp))
+    monkeypatch.setattr(decoding, "gumbel_noise", exception(decoding.gumbel_noise))
     monkeypatch.setattr(decoding, "f32_logprob_sums", exception(decoding.f32_logprob_sums))
     monkeypatch.setattr(decoding, "f32_logsumexp", exception(decoding.f32_logsumexp))
     monkeypatch.setattr(timing, "f32_log_softmax", exception(timing.f32_log_softmax))
@@ -117,6 +121,7 @@ def test_exceptions_are_listed():
         "audio front end",
         "speech detector",
         "log-softmax over logits",
+        "sampling noise",
         "word-timing cost",
     }
 
@@ -142,6 +147,9 @@ def test_every_tensor_of_a_run_has_the_chosen_dtype(
     sf.write(path, audio, 16000)
     options = TranscribeOptions(max_new_tokens=max_new_tokens, word_timestamps=word_timestamps)
     transcriber = Transcriber(loaded, options)
+    caches = []
+    new_caches = loaded.model.decoder.new_caches
+    loaded.model.decoder.new_caches = lambda *a: caches.append(new_caches(*a)) or caches[-1]
     recorder.expected = policy.dtype
     with recorder:
         result = transcriber.transcribe(str(path))
@@ -150,9 +158,10 @@ def test_every_tensor_of_a_run_has_the_chosen_dtype(
     model = loaded.model
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     assert {t.dtype for t in tensors.values()} == {policy.dtype}
-    caches = model.decoder.caches()
-    assert len(caches) == 2 * loaded.config.decoder_layers
-    assert {c.k.dtype for c in caches} | {c.v.dtype for c in caches} == {policy.dtype}
+    assert caches  # every decode's caches: self and cross attention, every layer
+    kv = [t for c in caches for t in c.tensors()]
+    assert len(kv) == len(caches) * 4 * loaded.config.decoder_layers
+    assert {t.dtype for t in kv} == {policy.dtype}
 
     assert not recorder.violations, dict(recorder.violations)
     ops = {op for op, _ in recorder.seen}
@@ -169,17 +178,17 @@ def test_every_tensor_of_a_run_has_the_chosen_dtype(
 
 def test_bf16_and_f16_transcribe_jfk_with_the_same_words():
     from whisper_cli.audio import load_audio
-    from whisper_cli.decoding import DecodeOptions, GreedyDecoder
+    from whisper_cli.decoding import DecodeOptions
+    from whisper_cli.engine import Engine
     from whisper_cli.features import log_mel
 
     audio = load_audio(shared_clip("jfk.flac"))
     texts = {}
     for name in ("f32", "bf16", "f16"):
         loaded = load_model(str(real_model("tiny.en")), dtypes.resolve_policy(name, "cpu"))
-        decoder = GreedyDecoder(loaded, DecodeOptions(max_new_tokens=40))
-        with torch.inference_mode():
-            mel = log_mel(torch.from_numpy(audio)[None], loaded.config.num_mel_bins)
-            row = decoder.decode(decoder.encode(mel), [None])[0]
+        engine = Engine(loaded, DecodeOptions(max_new_tokens=40))
+        mel = log_mel(torch.from_numpy(audio)[None], loaded.config.num_mel_bins)
+        row = engine.decode(engine.encode(mel), [None])[0]
         texts[name] = re.sub(r"[^\w\s]", "", loaded.tokenizer.decode(row.tokens).lower()).split()
     assert texts["bf16"] == texts["f32"]
     assert texts["f16"] == texts["f32"]

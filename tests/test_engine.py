@@ -17,9 +17,11 @@ from util import (
     shifted_tokenizer,
 )
 
+from whisper_cli import decoding
 from whisper_cli.audio import load_audio
-from whisper_cli.decoding import DecodeOptions, GreedyDecoder
+from whisper_cli.decoding import DecodeOptions
 from whisper_cli.dtypes import resolve_policy
+from whisper_cli.engine import Engine
 from whisper_cli.features import log_mel
 from whisper_cli.loading import load_model
 
@@ -66,9 +68,8 @@ def test_random_config_logits_match_reference(random_dirs):
     with torch.no_grad():
         expected = ref(input_features=mel, decoder_input_ids=tokens).logits
         audio = ours.model.encoder(mel)
-        ours.model.decoder.setup_caches(2, 32, audio.shape[1])
-        ours.model.decoder.fill_cross_caches(audio)
-        got = ours.model.decoder(tokens, torch.arange(tokens.shape[1]))
+        caches = ours.model.decoder.new_caches(audio, 32)
+        got = ours.model.decoder(tokens, torch.arange(tokens.shape[1]), caches)
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() < 1e-4
     assert special.sot == ref.generation_config.decoder_start_token_id
@@ -82,12 +83,11 @@ def test_static_cache_steps_equal_full_forward(random_dirs):
     decoder = ours.model.decoder
     with torch.no_grad():
         audio = ours.model.encoder(mel)
-        decoder.setup_caches(2, 16, audio.shape[1])
-        decoder.fill_cross_caches(audio)
-        full = decoder(tokens, torch.arange(tokens.shape[1]))
-        decoder.setup_caches(2, 16, audio.shape[1])
-        decoder.fill_cross_caches(audio)
-        steps = [decoder(tokens[:, i : i + 1], torch.tensor([i])) for i in range(tokens.shape[1])]
+        full = decoder(tokens, torch.arange(tokens.shape[1]), decoder.new_caches(audio, 16))
+        caches = decoder.new_caches(audio, 16)
+        steps = [
+            decoder(tokens[:, i : i + 1], torch.tensor([i]), caches) for i in range(tokens.shape[1])
+        ]
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
 
 
@@ -107,9 +107,9 @@ def test_random_config_greedy_tokens_match_reference(random_dirs, timestamps):
     ref = reference(random_dirs)
     mel = random_mel(ours.config.num_mel_bins)
     language = "en" if ours.tokenizer.is_multilingual else None
-    decoder = GreedyDecoder(ours, DecodeOptions(timestamps=timestamps, max_new_tokens=24))
+    engine = Engine(ours, DecodeOptions(timestamps=timestamps, max_new_tokens=24))
     with torch.inference_mode():
-        rows = decoder.decode(decoder.encode(mel), [language] * 2)
+        rows = engine.decode(engine.encode(mel), [language] * 2)
     kwargs = {"language": "en", "task": "transcribe"} if language else {}
     expected = ref.generate(
         input_features=mel, return_timestamps=timestamps, max_new_tokens=24, **kwargs
@@ -148,10 +148,10 @@ def test_real_models_match_reference_on_real_speech(model_name):
         audio = load_audio(shared_clip(name), channel=channel)
         features = extractor(audio, sampling_rate=16000, return_tensors="pt").input_features
         expected = ref.generate(input_features=features, return_timestamps=True, **kwargs)
-        decoder = GreedyDecoder(ours, DecodeOptions())
+        engine = Engine(ours, DecodeOptions())
         with torch.inference_mode():
             mel = log_mel(torch.from_numpy(audio)[None], ours.config.num_mel_bins)
-            row = decoder.decode(decoder.encode(mel), [language])[0]
+            row = engine.decode(engine.encode(mel), [language])[0]
         exp = [t for t in expected[0].tolist() if t != ours.tokenizer.special.eot]
         assert list(row.tokens) == exp, f"{model_name} {name} {channel}"
         assert words(ours.tokenizer.decode(row.tokens)) == words(text)
@@ -168,12 +168,12 @@ def test_log_mel_matches_feature_extractor_80_and_128():
 
 
 def test_decoders_with_other_cache_lengths_share_one_model(random_dirs):
-    """Caches follow each decoder's shape (prompt + max_new_tokens), not the last one's."""
+    """Each engine's decode has caches of its own shape (prompt + max_new_tokens)."""
     ours = load_model(str(random_dirs), F32)
     mel = random_mel(ours.config.num_mel_bins)
     language = "en" if ours.tokenizer.is_multilingual else None
-    short = GreedyDecoder(ours, DecodeOptions(timestamps=False, max_new_tokens=4))
-    long = GreedyDecoder(ours, DecodeOptions(timestamps=False, max_new_tokens=16))
+    short = Engine(ours, DecodeOptions(timestamps=False, max_new_tokens=4))
+    long = Engine(ours, DecodeOptions(timestamps=False, max_new_tokens=16))
     with torch.inference_mode():
         features = long.encode(mel)
         first = long.decode(features, [language] * 2)
@@ -183,22 +183,25 @@ def test_decoders_with_other_cache_lengths_share_one_model(random_dirs):
 
 
 @pytest.mark.parametrize("looping", [True, False])
-def test_repetition_guard_stops_a_looping_row(random_dirs, looping):
+def test_repetition_guard_stops_a_looping_row(random_dirs, looping, monkeypatch):
     """A row that repeats a 3-token period is stopped on the device, long before the limit."""
     ours = load_model(str(random_dirs), F32)
     steps = []
+    real_choose = decoding.choose
 
-    def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        steps.append(int(positions[0]))
-        logits = torch.zeros(tokens.shape[0], 1, ours.config.vocab_size)
-        pos = int(positions[0])
-        logits[:, 0, 1000 + (pos % 3 if looping else pos)] = 10.0  # never end-of-text
-        return logits
+    def step(model, rules, state, caches, visible=None, sample=False) -> None:
+        # A model that never ends: token 1000 + (position mod 3) (looping) or + position.
+        pos = int(state.position[0])
+        steps.append(pos)
+        logits = torch.zeros(state.tokens.shape[0], ours.config.vocab_size)
+        logits[:, 1000 + (pos % 3 if looping else pos)] = 10.0
+        real_choose(rules, state, logits, sample)
+        state.position.add_(1)
 
-    decoder = GreedyDecoder(ours, DecodeOptions(timestamps=False, max_new_tokens=120), step=step)
+    monkeypatch.setattr(decoding, "step", step)
+    engine = Engine(ours, DecodeOptions(timestamps=False, max_new_tokens=120))
     language = "en" if ours.tokenizer.is_multilingual else None
-    with torch.inference_mode():
-        rows = decoder.decode(decoder.encode(random_mel(ours.config.num_mel_bins)), [language] * 2)
+    rows = engine.decode(engine.encode(random_mel(ours.config.num_mel_bins)), [language] * 2)
     if looping:
         assert all(r.looped for r in rows)
         assert len(steps) < 60  # stopped at the first check that sees the loop

@@ -49,14 +49,14 @@ def run(t, paths: list[str], monkeypatch) -> tuple[dict, list[tuple[bool, float]
     def needs_fallback(self, row: DecodedRow) -> bool:
         return real_fallback(self, row) or (MARK in text(row) and row.temperature < 0.5)
 
-    real_decode = t.decoder.decode
+    real_decode = t.engine.decode
 
     def decode(*args, **kwargs):
         rows = real_decode(*args, **kwargs)
         decoded.extend((MARK in text(row), row.temperature) for row in rows)
         return rows
 
-    monkeypatch.setattr(t.decoder, "decode", decode)
+    monkeypatch.setattr(t.engine, "decode", decode)
     monkeypatch.setattr(type(t), "_needs_fallback", needs_fallback)
     results, errors = [], []
     t.run(paths, results.append, errors.append)

@@ -562,13 +562,13 @@ def test_each_input_is_handed_over_as_soon_as_it_is_decoded(monkeypatch, tiny_en
 
     t = Transcriber(tiny_en, TranscribeOptions(batch_size=batch_size))
     events: list[str] = []
-    real = t.decoder.decode
+    real = t.engine.decode
 
     def decode(features, *args):
         events.append(f"decode {features.shape[0]}")
         return real(features, *args)
 
-    monkeypatch.setattr(t.decoder, "decode", decode)
+    monkeypatch.setattr(t.engine, "decode", decode)
     clip = str(shared_clip("stereo_diarization.wav"))
     t.run([clip] * 3, lambda r: events.append("result"), pytest.fail)
     expected = {
@@ -610,8 +610,8 @@ audio._file_opener = _file_opener
     # The signal arrives at the third token step of the first batch (after the prompt pass).
     "decode": """
 import os, signal
-import whisper_cli.decoding as decoding
-real = decoding.GreedyDecoder.decode
+import whisper_cli.engine as engine
+real = engine.Engine.decode
 def decode(self, *args, **kwargs):
     decoder = self.model.decoder
     forward, calls = decoder.forward, []
@@ -622,7 +622,7 @@ def decode(self, *args, **kwargs):
         return forward(*a, **k)
     decoder.forward = counted
     return real(self, *args, **kwargs)
-decoding.GreedyDecoder.decode = decode
+engine.Engine.decode = decode
 """,
 }
 
@@ -651,7 +651,7 @@ def test_out_of_memory_retries_with_a_smaller_batch(tiny_en, monkeypatch):
         paths, lambda t: expected.setdefault(t.path, t.text), pytest.fail
     )
     transcriber = Transcriber(tiny_en, TranscribeOptions(batch_size=4))
-    real_decode = transcriber.decoder.decode
+    real_decode = transcriber.engine.decode
     sizes = []
 
     def decode(features, *args):
@@ -660,7 +660,7 @@ def test_out_of_memory_retries_with_a_smaller_batch(tiny_en, monkeypatch):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_decode(features, *args)
 
-    monkeypatch.setattr(transcriber.decoder, "decode", decode)
+    monkeypatch.setattr(transcriber.engine, "decode", decode)
     got = {}
     with pytest.warns(
         RuntimeWarning, match="out of memory at batch size 4; retrying with batch size 2"

@@ -184,7 +184,7 @@ def test_speech_behind_noise_and_after_silence_is_timed_and_nothing_invented(
         )
         assert abs(first.start - speech_start) <= 0.7, (first.start, speech_start)
     off.transcribe(str(path))
-    assert on.counters.encoded_rows < off.counters.encoded_rows
+    assert on.engine.counters.encoded_rows < off.engine.counters.encoded_rows
 
 
 # --- language from speech, not from what comes first -------------------------------------------

@@ -21,8 +21,9 @@ from typer.testing import CliRunner
 from util import real_model, shared_clip
 
 from whisper_cli.audio import open_audio
-from whisper_cli.decoding import DecodeOptions, GreedyDecoder
+from whisper_cli.decoding import DecodeOptions
 from whisper_cli.dtypes import resolve_policy
+from whisper_cli.engine import Engine
 from whisper_cli.features import SAMPLE_RATE, batch_log_mel
 from whisper_cli.loading import load_model
 from whisper_cli.segments import attach_words, window_segments
@@ -60,11 +61,10 @@ def test_word_times_match_openai_whisper_on_the_same_tokens(model_name, request)
     loaded = request.getfixturevalue(model_name)
     windows = english_windows()
     mel = batch_log_mel(windows, len(windows), loaded.config.num_mel_bins, torch.device("cpu"))
-    decoder = GreedyDecoder(loaded, DecodeOptions())
+    engine = Engine(loaded, DecodeOptions())
     language = "en" if loaded.tokenizer.is_multilingual else None
-    with torch.inference_mode():
-        features = decoder.encode(mel)
-        rows = decoder.decode(features, [language] * len(windows))
+    features = engine.encode(mel)
+    rows = engine.decode(features, [language] * len(windows))
     segments = [
         window_segments(
             row.tokens,
@@ -274,33 +274,29 @@ def test_word_options_need_word_timestamps():
     assert result.stdout == ""
 
 
-def test_cached_retained_and_reprojected_cross_attention_give_the_same_words(tiny_en):
-    """The pass reads the cross K/V of the decode: from the caches where the whole (padded)
-    batch stayed there (compiled path), from the K/V kept back when the eager decode
-    dropped finished rows, or else projected again from the encoder output: same words."""
+def test_retained_and_reprojected_cross_attention_give_the_same_words(tiny_en):
+    """The pass reads the cross K/V the decode projected, of the whole (padded) batch,
+    whether the eager decode kept every row or dropped finished ones; without them it
+    projects them again from the encoder output: the same words."""
     windows = english_windows()[:2]
     mel = batch_log_mel(windows, 3, tiny_en.config.num_mel_bins, torch.device("cpu"))  # 1 pad
     aligner = Aligner(tiny_en)
-    decoder_module = tiny_en.model.decoder
     results = []
-    for shrink in (False, True, None):
-        decoder = GreedyDecoder(
-            tiny_en, DecodeOptions(max_new_tokens=48, shrink_batch=bool(shrink))
-        )
-        with torch.inference_mode():
-            features = decoder.encode(mel)
-            rows = decoder.decode(features, [None] * 3)
-        if shrink is None:
-            features = features.clone()  # not what the decode saw: projected again
-        else:
-            assert (decoder_module.cross_source is features) == (not shrink)
-            assert (decoder_module.retained_cross is not None) == shrink
+    for shrink, retain in ((False, True), (True, True), (True, False)):
+        options = DecodeOptions(max_new_tokens=48)
+        engine = Engine(tiny_en, options, shrink=shrink, retain_cross=retain)
+        features = engine.encode(mel)
+        rows = engine.decode(features, [None] * 3)
+        cross = engine.cross_kv(features)
+        assert (cross is not None) == retain
+        assert engine.cross_kv(features) is None  # handed over once, then released
+        if retain:
+            assert all(k.shape[0] == 3 for k, _ in cross)  # the whole batch, padding too
         text = [tuple(t for t in r.tokens if t < tiny_en.tokenizer.special.eot) for r in rows]
         results.append(
             aligner.align(
-                features, [AlignRow(t, len(a)) for t, a in zip(text, windows, strict=False)]
+                features, [AlignRow(t, len(a)) for t, a in zip(text, windows, strict=False)], cross
             )
         )
-        assert decoder_module.retained_cross is None  # released after the pass
     assert results[0] == results[1] == results[2]
     assert all(len(w.words) > 5 for w in results[0])

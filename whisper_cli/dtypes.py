@@ -48,6 +48,11 @@ F32_EXCEPTIONS: dict[str, str] = {
         "language probabilities) are computed from the logits in float32 by "
         "f32_log_softmax() and f32_logsumexp(); the logits themselves stay in the run dtype."
     ),
+    "sampling noise": (
+        "the Gumbel noise of a fallback draw (decoding.gumbel_noise) is made in float32 "
+        "from integer hashes and cast to the run dtype before it meets the logits: a "
+        "half-precision uniform rounds to 1, whose noise is infinite."
+    ),
     "word-timing cost": (
         "the alignment heads' attention weights are computed in the run dtype; their "
         "normalisation, median filter and the DTW cost over them run in float32 "

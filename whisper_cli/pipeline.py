@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from whisper_cli.audio import AudioSource, open_audio
-from whisper_cli.decoding import DecodedRow, DecodeOptions, GreedyDecoder, LanguageGuess
+from whisper_cli.decoding import DecodedRow, DecodeOptions, LanguageGuess
 from whisper_cli.dtypes import dtype_name
+from whisper_cli.engine import Engine
 from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.features import SAMPLE_RATE, batch_log_mel
 from whisper_cli.loading import LoadedModel
@@ -52,13 +53,13 @@ class Progress:
 
 @dataclass
 class Counters:
-    """What a run did, for bench and tests: windows, encoder passes, fallbacks, detector."""
+    """What a run did around the engine (whose own counters say what it ran)."""
 
     windows: int = 0  # windows cut (each decoded at least once)
-    encoded_rows: int = 0  # rows through the encoder (padding rows of a compiled batch too)
     batches: int = 0
     fallbacks: int = 0  # window decodes repeated at a higher temperature
     detector_s: float = 0.0  # wall time of the speech detector
+    align_s: float = 0.0  # wall time of the word-alignment passes (timed runs: synchronised)
 
 
 @dataclass
@@ -126,7 +127,10 @@ def validate_options(loaded: LoadedModel, options: TranscribeOptions) -> None:
 class Transcriber:
     """Holds a loaded model and the speech detector, and decodes batches of windows."""
 
-    def __init__(self, loaded: LoadedModel, options: TranscribeOptions) -> None:
+    def __init__(
+        self, loaded: LoadedModel, options: TranscribeOptions, timed: bool = False
+    ) -> None:
+        """timed: synchronise the device around each stage and count its time (bench)."""
         validate_options(loaded, options)
         self.loaded = loaded
         self.options = options
@@ -138,33 +142,25 @@ class Transcriber:
             max_prompt = loaded.config.max_target_positions // 2 - 1
             prompt = tuple(tokenizer.encode_text(" " + options.initial_prompt.strip()))
             prompt = prompt[-max_prompt:]
-        on_cuda = loaded.policy.device.type == "cuda"
-        step = None
-        if options.compile:
-            from whisper_cli.compiled import compiled_step
-
-            step = compiled_step(loaded.model)
         p = self.policy
-        self.decoder = GreedyDecoder(
+        self.engine = Engine(
             loaded,
             DecodeOptions(
                 task=options.task,
                 timestamps=options.timestamps,
                 max_new_tokens=options.max_new_tokens,
                 prompt_tokens=prompt,
-                sync_every=8 if on_cuda else 1,
-                shrink_batch=not options.compile,
                 loop_check_every=p.loop_check_every,
                 max_loop_period=p.max_loop_period,
                 min_loop_span=p.min_loop_span,
             ),
-            step=step,
+            compile=options.compile,
+            retain_cross=options.word_timestamps,
+            timed=timed,
         )
         # The map also places the cuts with the detector off, so it is always loaded.
         self.detector = load_detector()
         self.aligner = Aligner(loaded, options.task) if options.word_timestamps else None
-        # A compiled step has one batch shape: pad the last batch up to it.
-        self.pad_batches = options.compile
         self.rows = options.batch_size  # halved for the rest of the run on out-of-memory
         self.counters = Counters()
 
@@ -323,32 +319,28 @@ class Transcriber:
 
     def _decode_rows(self, inputs: list[_Input], batch: list[_Job]) -> list[_Job]:
         device = self.loaded.policy.device
-        n_rows = self.rows if self.pad_batches else len(batch)
+        n_rows = self.engine.rows_for(len(batch), self.rows)
         mel = batch_log_mel(
             [j.window.audio for j in batch], n_rows, self.loaded.config.num_mel_bins, device
         )
-        with torch.inference_mode():
-            features = self.decoder.encode(mel)
-        self.counters.encoded_rows += n_rows
+        features = self.engine.encode(mel)
         self.counters.batches += 1
         languages = self._languages(inputs, batch, features)
-        pad = n_rows - len(batch)
-        languages += [languages[0]] * pad  # padding rows
         speech_after = None
         if self.options.timestamps and self.options.vad:
             n_ts = self.loaded.config.vocab_size - self.loaded.tokenizer.special.timestamp_begin
-            table = np.zeros((n_rows, n_ts), dtype=bool)  # padding rows: never held open
+            table = np.zeros((len(batch), n_ts), dtype=bool)
             for r, job in enumerate(batch):
                 table[r] = speech_after_timestamps(
                     job.window.speech, n_ts, self.policy.min_speech_seconds
                 )
             speech_after = torch.from_numpy(table).to(device)
-        temperatures = [self.policy.temperatures[j.attempt] for j in batch] + [0.0] * pad
-        seeds = [self._seed(j) for j in batch] + [0] * pad
-        rows = self.decoder.decode(features, languages, speech_after, temperatures, seeds)
+        temperatures = [self.policy.temperatures[j.attempt] for j in batch]
+        seeds = [self._seed(j) for j in batch]
+        rows = self.engine.decode(features, languages, speech_after, temperatures, seeds)
         again = []
         final: list[tuple[int, _Job, DecodedRow, list[Segment]]] = []
-        for r, (job, row) in enumerate(zip(batch, rows, strict=False)):
+        for r, (job, row) in enumerate(zip(batch, rows, strict=True)):
             if self._needs_fallback(row) and job.attempt + 1 < len(self.policy.temperatures):
                 job.candidates.append(row)
                 job.attempt += 1
@@ -386,7 +378,11 @@ class Transcriber:
         for r, job, row, segments in final:
             tokens = sum((s.tokens for s in segments), ())
             text[r] = AlignRow(tokens, len(job.window.audio), row.language)
-        aligned = self.aligner.align(features, text)
+        self.engine.sync_if_timed()
+        started = time.perf_counter()
+        aligned = self.aligner.align(features, text, self.engine.cross_kv(features))
+        self.engine.sync_if_timed()
+        self.counters.align_s += time.perf_counter() - started
         for r, job, _, segments in final:
             done = inputs[job.window.source].segments
             # openai-whisper's last_speech: where the input's speech before this window ends
@@ -496,7 +492,7 @@ class Transcriber:
         ]
         if need:
             # One step over the whole batch (fixed shape), read for the rows that need it.
-            codes, probs = self.decoder.language_probs(features)
+            codes, probs = self.engine.language_probs(features)
             probs = probs.cpu().numpy()
             if self.options.multilingual:
                 for r in need:

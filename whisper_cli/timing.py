@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from whisper_cli.dtypes import f32_alignment_weights, f32_log_softmax
 from whisper_cli.loading import LoadedModel
+from whisper_cli.model import KV
 from whisper_cli.tokenizer import Tokenizer
 
 MEDIAN_FILTER_WIDTH = 7  # openai-whisper's medfilt_width
@@ -329,16 +330,19 @@ class Aligner:
         self.tokenizer = loaded.tokenizer
         self.task = task
         self.heads = alignment_heads(loaded)
-        # The eager decode drops finished rows from the cross caches: have it keep the
-        # whole batch's K/V for the pass (see Decoder.retain_cross).
-        self.model.decoder.retain_cross = True
 
     @torch.inference_mode()
-    def align(self, features: torch.Tensor, rows: Sequence[AlignRow]) -> list[WindowWords]:
+    def align(
+        self,
+        features: torch.Tensor,
+        rows: Sequence[AlignRow],
+        cross: list[KV] | None = None,
+    ) -> list[WindowWords]:
         """features (B, S, C): the batch's encoder output; rows: its first len(rows) rows.
 
-        Every row of `features` goes through the pass (a compiled run's padding rows as
-        empty ones) so that the cross K/V of the decode, of the whole batch, serve.
+        cross: the decode's cross K/V of `features`, per layer (Engine.cross_kv), so they
+        are not projected again; every row of `features` then goes through the pass (a
+        compiled run's padding rows as empty ones).
         """
         eot = self.tokenizer.special.eot
         device = features.device
@@ -350,9 +354,7 @@ class Aligner:
         tokens = torch.full((len(sequences), t), eot, dtype=torch.long, device=device)
         for r, seq in enumerate(sequences):
             tokens[r, : len(seq)] = torch.tensor(seq, device=device)
-        decoder = self.model.decoder
-        hidden, scores = decoder.forward_aligned(tokens, features, self.heads)
-        decoder.retained_cross = None  # the batch's K/V are no longer needed
+        hidden, scores = self.model.decoder.forward_aligned(tokens, features, self.heads, cross)
 
         # Row b: text tokens n_b, path rows n_b + 1 (the last predicts end-of-text),
         # frames m_b of its own audio (never the padding after it).
