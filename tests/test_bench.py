@@ -1,4 +1,4 @@
-"""Tests for `whisper-cli bench` as a library (whisper_cli.bench, whisper_cli.reference)."""
+"""Tests for `whisper-cli bench` as a library (whisper_cli.tools.bench and .reference)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from util import real_model, shared_clip
 
-from whisper_cli import bench
-from whisper_cli.bench import (
+from whisper_cli.errors import WhisperCliError
+from whisper_cli.features import SAMPLE_RATE
+from whisper_cli.tools import bench
+from whisper_cli.tools.bench import (
     BenchConfig,
     BenchFailure,
     BenchReport,
@@ -22,9 +24,7 @@ from whisper_cli.bench import (
     run_bench,
     tiled_blocks,
 )
-from whisper_cli.errors import WhisperCliError
-from whisper_cli.features import SAMPLE_RATE
-from whisper_cli.reference import compare_texts
+from whisper_cli.tools.reference import compare_texts
 
 # Every per-configuration field the JSON report must carry.
 RESULT_FIELDS = {

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 from util import real_model, shared_clip
 
-from whisper_cli import evaluate as ev
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.pipeline import TranscribeOptions
 from whisper_cli.results import Transcript
+from whisper_cli.tools import evaluate as ev
 
 # --- fakes ---------------------------------------------------------------------------------
 

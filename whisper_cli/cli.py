@@ -993,7 +993,7 @@ def convert(
     debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
 ) -> None:
     """Import a CTranslate2 (faster-whisper) Whisper model into the Hugging Face layout."""
-    from whisper_cli.convert import convert_ct2
+    from whisper_cli.tools.convert import convert_ct2
 
     try:
         convert_ct2(src, dst)
@@ -1018,7 +1018,7 @@ def eval_command(
     """Word error rate (pooled over the clips) of a manifest, per dtype."""
     import json
 
-    from whisper_cli.evaluate import evaluate, render_table, report_to_json
+    from whisper_cli.tools.evaluate import evaluate, render_table, report_to_json
 
     try:
         with _Terminal(quiet=False, verbose=False).session():
@@ -1064,8 +1064,8 @@ def bench(
     """Speed and memory, reproducibly, optionally beside the transformers reference."""
     import json
 
-    from whisper_cli.bench import BenchConfig, render_table, report_to_json, run_bench
     from whisper_cli.loading import default_model
+    from whisper_cli.tools.bench import BenchConfig, render_table, report_to_json, run_bench
 
     config = BenchConfig(
         model=model or default_model("cuda" if device.startswith("cuda") else "cpu"),

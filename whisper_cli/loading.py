@@ -83,7 +83,7 @@ def resolve_model(name: str) -> Path:
 
 
 def _local_dir(path: Path) -> Path:
-    from whisper_cli.convert import convert_ct2, is_ct2_dir
+    from whisper_cli.tools.convert import convert_ct2, is_ct2_dir
 
     if not path.is_dir():
         raise WhisperCliError(f"model path {path} is not a directory")

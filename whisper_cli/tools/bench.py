@@ -1,6 +1,6 @@
 """`whisper-cli bench`: how fast the pipeline transcribes, per model x dtype configuration.
 
-Method. Each configuration runs in a child process of its own (`python -m whisper_cli.bench
+Method. Each configuration runs in a child process of its own (`python -m whisper_cli.tools.bench
 --child SPEC`): peak RSS cannot be reset within a process, so only a fresh process measures
 one configuration's CPU memory, and it isolates compile caches and CUDA state as well. The
 child loads the model (timed), transcribes the whole audio once as a warm-up (compilation,
@@ -48,7 +48,7 @@ COMPILE_CHOICES = ("auto", "on", "off")
 REFERENCES = ("transformers",)
 BENCH_PATH = "<bench audio>"  # the name the pipeline sees for the served audio
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 # The default speech: every real clip of ../shared/audio, each stereo channel on its own.
 _DEFAULT_CLIPS = (
     ("jfk.flac", None),
@@ -307,7 +307,7 @@ def _child_spec(
 
 
 def _run_child(spec: dict[str, Any], timeout_s: float | None) -> ConfigResult:
-    """Run one configuration in `python -m whisper_cli.bench --child` and read its result."""
+    """Run one configuration in `python -m whisper_cli.tools.bench --child` and read its result."""
     spec_path = Path(spec["result"]).with_suffix(".spec.json")
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ)
@@ -315,7 +315,7 @@ def _run_child(spec: dict[str, Any], timeout_s: float | None) -> ConfigResult:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
     # A session of its own, so a timeout also ends compile workers the child started.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "whisper_cli.bench", "--child", str(spec_path)],
+        [sys.executable, "-m", "whisper_cli.tools.bench", "--child", str(spec_path)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -578,7 +578,7 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
 def _compare(
     spec: dict[str, Any], loaded, text: str, wall: float, language: str | None, clip: np.ndarray
 ) -> Comparison:
-    from whisper_cli.reference import compare_texts, run_reference
+    from whisper_cli.tools.reference import compare_texts, run_reference
 
     ref = run_reference(
         loaded.path,
@@ -741,14 +741,14 @@ def _child_main(spec_path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m whisper_cli.bench`: the child entry point, and a plain CLI for scripts.
+    """`python -m whisper_cli.tools.bench`: the child entry point, and a plain CLI for scripts.
 
     The user-facing command is `whisper-cli bench` (whisper_cli.cli); this one needs no
     Typer, so that machines without it (and scripts/gpu_check.sh) can run benchmarks.
     """
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m whisper_cli.bench")
+    parser = argparse.ArgumentParser(prog="python -m whisper_cli.tools.bench")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="base")
     parser.add_argument("--dtype", default="auto", help="f32, f16, bf16, auto, all or a list")
