@@ -179,6 +179,28 @@ def test_a_failing_configuration_is_reported_not_raised(tmp_path: Path) -> None:
     assert "missing-model" in report.failures[0].error
 
 
+@pytest.mark.parametrize(("cuda", "expected"), [(True, "turbo"), (False, "base")])
+def test_no_model_means_the_default_of_the_device_it_runs_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda: bool, expected: str
+) -> None:
+    import torch
+
+    audio = tmp_path / "noise.npy"
+    np.save(audio, np.zeros(SAMPLE_RATE, np.float32))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    specs = []
+
+    def child(spec, timeout_s):
+        specs.append(spec)
+        raise WhisperCliError("not run")
+
+    monkeypatch.setattr(bench, "_run_child", child)
+    report = run_bench(BenchConfig(audio=str(audio), device="auto"))
+    assert [spec["model"] for spec in specs] == [expected]
+    assert report.config.model == expected
+    assert [f.model for f in report.failures] == [expected]
+
+
 def test_a_configuration_past_its_timeout_is_killed_and_reported(tmp_path: Path) -> None:
     audio = tmp_path / "noise.npy"
     np.save(audio, np.zeros(SAMPLE_RATE, np.float32))

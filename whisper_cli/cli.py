@@ -36,7 +36,7 @@ from whisper_cli.errors import (
     WhisperCliError,
     WhisperCliWarning,
 )
-from whisper_cli.options import Policy
+from whisper_cli.options import Policy, default_model
 
 if TYPE_CHECKING:
     from whisper_cli.pipeline import TranscribeOptions
@@ -146,7 +146,8 @@ ModelOpt = Annotated[
         "-m",
         metavar="NAME",
         help="Local HF or CTranslate2 dir, hub id, or alias (tiny, base, small, medium, "
-        "large-v3, turbo, *.en). Default: turbo on CUDA, base otherwise.",
+        f"large-v3, turbo, *.en). Default: {default_model('cuda')} on CUDA, "
+        f"{default_model('cpu')} otherwise.",
         rich_help_panel=PANEL_MODEL,
     ),
 ]
@@ -469,7 +470,7 @@ def _policy(a: dict[str, Any]) -> Policy:
 
 
 def _load(model: str | None, policy, term: _Terminal):
-    from whisper_cli.loading import default_model, load_model
+    from whisper_cli.loading import load_model
 
     if model is None:
         model = default_model(policy.device.type)
@@ -1024,7 +1025,7 @@ def eval_command(
         with _Terminal(quiet=False, verbose=False).session():
             report = evaluate(
                 manifest,
-                model or "base",
+                model,
                 dtype.split(","),
                 device=device,
                 batch_size=batch_size,
@@ -1064,11 +1065,10 @@ def bench(
     """Speed and memory, reproducibly, optionally beside the transformers reference."""
     import json
 
-    from whisper_cli.loading import default_model
     from whisper_cli.tools.bench import BenchConfig, render_table, report_to_json, run_bench
 
     config = BenchConfig(
-        model=model or default_model("cuda" if device.startswith("cuda") else "cpu"),
+        model=model,
         dtypes=tuple(dtype.split(",")),
         batch_size=batch_size,
         audio=audio,

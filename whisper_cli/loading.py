@@ -196,11 +196,6 @@ class LoadedModel:
     name: str
 
 
-def default_model(device_type: str) -> str:
-    """The model of a run that names none: turbo on CUDA, base otherwise."""
-    return "turbo" if device_type == "cuda" else "base"
-
-
 def load_model(name: str, policy: DtypePolicy) -> LoadedModel:
     """Resolve, read and build a model in the policy's dtype and device."""
     model_dir = resolve_model(name)

@@ -41,6 +41,7 @@ import numpy as np
 from whisper_cli.allocator import keep_freed_memory
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.features import N_SAMPLES, SAMPLE_RATE
+from whisper_cli.options import default_model
 
 ALL_DTYPES = ("f32", "f16", "bf16")
 DTYPE_CHOICES = ("auto", *ALL_DTYPES)
@@ -64,7 +65,7 @@ _STDERR_TAIL = 3000  # characters of a failed child's stderr kept in its failure
 
 @dataclass(frozen=True)
 class BenchConfig:
-    model: str = "base"
+    model: str | None = None  # None: the device's default (options.default_model)
     dtypes: tuple[str, ...] = ("auto",)  # each one configuration; see expand_dtypes
     batch_size: int = 16
     audio: str | None = None  # a file, or a .npy float32 16 kHz array; None: default speech
@@ -172,6 +173,15 @@ def expand_dtypes(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def with_model(config: BenchConfig) -> BenchConfig:
+    """The config with its model named: the default of the device it runs on, if none."""
+    if config.model is not None:
+        return config
+    from whisper_cli.dtypes import resolve_device  # torch: only once a bench runs
+
+    return dataclasses.replace(config, model=default_model(resolve_device(config.device).type))
+
+
 def validate(config: BenchConfig) -> None:
     """Run-level checks, before any child starts."""
     expand_dtypes(config.dtypes)
@@ -201,6 +211,7 @@ def run_bench(config: BenchConfig, on_progress: Callable[[str], None] | None = N
     run. `on_progress` gets one line per configuration started.
     """
     validate(config)
+    config = with_model(config)
     clip, description = load_bench_audio(config.audio)
     n_samples = _target_samples(len(clip), config.duration)
     results: list[ConfigResult] = []
@@ -750,7 +761,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m whisper_cli.tools.bench")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--model", default="base")
+    parser.add_argument(
+        "--model",
+        help=f"default: {default_model('cuda')} on CUDA, {default_model('cpu')} otherwise",
+    )
     parser.add_argument("--dtype", default="auto", help="f32, f16, bf16, auto, all or a list")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--audio", help="audio file or .npy float32 16 kHz array")

@@ -27,6 +27,7 @@ from pathlib import Path
 from whisper_cli.dtypes import DTYPE_CHOICES, DtypePolicy, resolve_policy
 from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.loading import LoadedModel, load_model
+from whisper_cli.options import default_model
 from whisper_cli.pipeline import Progress, TranscribeOptions, Transcriber
 from whisper_cli.results import Transcript
 
@@ -339,14 +340,14 @@ def transcribe_paths(
 
 def evaluate(
     manifest_path: Path | str,
-    model: str,
+    model: str | None,
     dtypes: Iterable[str] = ("f32",),
     device: str | None = None,
     batch_size: int = 16,
     progress: Callable[[EvalProgress], None] | None = None,
     vad: bool = True,
 ) -> EvalReport:
-    """Score ``model`` on every referenced clip of the manifest, once per dtype."""
+    """Score ``model`` (None: the device's default) on every referenced clip, once per dtype."""
     manifest = read_manifest(manifest_path)
     # Every dtype is checked against the device before the first (slow) run starts.
     policies: list[DtypePolicy] = []
@@ -354,6 +355,7 @@ def evaluate(
         policy = resolve_policy(name, device)
         if policy not in policies:  # "auto" may repeat an explicit choice
             policies.append(policy)
+    model = model or default_model(policies[0].device.type)
     items: tuple[EvalItem, ...] = ()
     skipped = list(manifest.skipped)
     results: list[DtypeResult] = []
