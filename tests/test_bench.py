@@ -18,7 +18,6 @@ from whisper_cli.tools.bench import (
     BenchReport,
     Comparison,
     ConfigResult,
-    expand_dtypes,
     render_table,
     report_to_json,
     run_bench,
@@ -55,15 +54,6 @@ RESULT_FIELDS = {
 
 
 # --- pure helpers ---------------------------------------------------------------------------
-
-
-def test_expand_dtypes() -> None:
-    assert expand_dtypes("all") == ("f32", "f16", "bf16")
-    assert expand_dtypes("bf16") == ("bf16",)
-    assert expand_dtypes("f32,bf16,f32") == ("f32", "bf16")
-    assert expand_dtypes(("auto",)) == ("auto",)
-    with pytest.raises(WhisperCliError, match="invalid dtype"):
-        expand_dtypes("f8")
 
 
 @pytest.mark.parametrize(

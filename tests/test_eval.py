@@ -263,13 +263,6 @@ def test_no_model_means_the_default_of_the_device_it_runs_on(
     assert report.device == ("cuda" if cuda else "cpu")
 
 
-def test_expand_dtypes():
-    assert ev.expand_dtypes(["all"]) == ["f32", "f16", "bf16"]
-    assert ev.expand_dtypes(["bf16", "all", "f32"]) == ["bf16", "f32", "f16"]
-    with pytest.raises(WhisperCliError, match="invalid dtype"):
-        ev.expand_dtypes(["f64"])
-
-
 def test_progress_reports_every_item(tmp_path, fake):
     manifest = write_manifest(
         tmp_path,

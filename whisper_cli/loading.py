@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from whisper_cli.config import GenerationConfig, ModelConfig
+from whisper_cli.config import MULTILINGUAL_VOCAB_SIZE, GenerationConfig, ModelConfig
 from whisper_cli.dtypes import DtypePolicy, cast_weight
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.model import Whisper
@@ -203,7 +203,7 @@ def load_model(name: str, policy: DtypePolicy) -> LoadedModel:
     generation = GenerationConfig.load(model_dir)
     multilingual = generation.is_multilingual
     if multilingual is None:
-        multilingual = config.vocab_size >= 51865  # English-only vocabularies have 51864
+        multilingual = config.vocab_size >= MULTILINGUAL_VOCAB_SIZE
     tokenizer = Tokenizer(model_dir / "tokenizer.json", multilingual=multilingual)
     with torch.device("meta"):
         model = Whisper(config)  # no memory, no random init: weights are assigned below

@@ -8,6 +8,8 @@
 
 They live apart so that the engine stays small and reads in one pass: the transcription
 path (options, audio, speech, windows, pipeline, decoding, model) never imports this
-package. Two entry points reach in, both lazily: the CLI's `bench`, `eval` and `convert`
+package. The tools take dtype names, the default model, the audio front end's constants and
+model facts from the engine's modules (`dtypes`, `options`, `features`, `config`), never from
+copies of their own. Two entry points reach in, both lazily: the CLI's `bench`, `eval` and `convert`
 commands, and `loading`, which imports `convert` when a model path is a CTranslate2 directory.
 """

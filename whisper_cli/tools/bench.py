@@ -39,12 +39,11 @@ from typing import Any
 import numpy as np
 
 from whisper_cli.allocator import keep_freed_memory
+from whisper_cli.dtypes import expand_dtypes, resolve_device
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.features import N_SAMPLES, SAMPLE_RATE
 from whisper_cli.options import default_model
 
-ALL_DTYPES = ("f32", "f16", "bf16")
-DTYPE_CHOICES = ("auto", *ALL_DTYPES)
 COMPILE_CHOICES = ("auto", "on", "off")
 REFERENCES = ("transformers",)
 BENCH_PATH = "<bench audio>"  # the name the pipeline sees for the served audio
@@ -66,7 +65,7 @@ _STDERR_TAIL = 3000  # characters of a failed child's stderr kept in its failure
 @dataclass(frozen=True)
 class BenchConfig:
     model: str | None = None  # None: the device's default (options.default_model)
-    dtypes: tuple[str, ...] = ("auto",)  # each one configuration; see expand_dtypes
+    dtypes: tuple[str, ...] = ("auto",)  # each one configuration; see dtypes.expand_dtypes
     batch_size: int = 16
     audio: str | None = None  # a file, or a .npy float32 16 kHz array; None: default speech
     duration: float | None = None  # tile (or cut) the audio to this many seconds
@@ -156,29 +155,10 @@ class BenchReport:
     failures: tuple[BenchFailure, ...] = ()
 
 
-def expand_dtypes(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """`all`, one dtype, or a comma-separated list -> the dtypes to run, in order."""
-    names = value.split(",") if isinstance(value, str) else list(value)
-    out: list[str] = []
-    for name in (n.strip() for n in names):
-        for dtype in ALL_DTYPES if name == "all" else (name,):
-            if dtype not in DTYPE_CHOICES:
-                raise WhisperCliError(
-                    f"invalid dtype {dtype!r}; choose all or one of {', '.join(DTYPE_CHOICES)}"
-                )
-            if dtype not in out:
-                out.append(dtype)
-    if not out:
-        raise WhisperCliError("no dtype given")
-    return tuple(out)
-
-
 def with_model(config: BenchConfig) -> BenchConfig:
     """The config with its model named: the default of the device it runs on, if none."""
     if config.model is not None:
         return config
-    from whisper_cli.dtypes import resolve_device  # torch: only once a bench runs
-
     return dataclasses.replace(config, model=default_model(resolve_device(config.device).type))
 
 

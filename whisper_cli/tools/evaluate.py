@@ -24,14 +24,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from whisper_cli.dtypes import DTYPE_CHOICES, DtypePolicy, resolve_policy
+from whisper_cli.dtypes import DtypePolicy, expand_dtypes, resolve_policy
 from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.loading import LoadedModel, load_model
 from whisper_cli.options import default_model
 from whisper_cli.pipeline import Progress, TranscribeOptions, Transcriber
 from whisper_cli.results import Transcript
 
-ALL_DTYPES = ("f32", "f16", "bf16")
 # Written without spaces between words: scored by characters (CER) instead of words.
 NO_SPACE_LANGUAGES = frozenset({"zh", "ja", "th", "lo", "my", "km", "yue", "bo"})
 CHANNELS = ("left", "right")
@@ -278,21 +277,6 @@ class EvalProgress:
 
 
 # --- running ---------------------------------------------------------------------------
-
-
-def expand_dtypes(dtypes: Iterable[str]) -> list[str]:
-    """ "all" stands for f32, f16 and bf16 (f16 included on CPU too, slow as it is)."""
-    out: list[str] = []
-    for name in dtypes:
-        for one in ALL_DTYPES if name == "all" else (name,):
-            if one not in DTYPE_CHOICES:
-                choices = ", ".join((*DTYPE_CHOICES, "all"))
-                raise WhisperCliError(f"invalid dtype {one!r}; choose one of {choices}")
-            if one not in out:
-                out.append(one)
-    if not out:
-        raise WhisperCliError("no dtype to evaluate")
-    return out
 
 
 def options_for(
