@@ -36,7 +36,7 @@ from whisper_cli.errors import (
     WhisperCliError,
     WhisperCliWarning,
 )
-from whisper_cli.options import Policy, default_model
+from whisper_cli.options import COMPILE_CHOICES, Policy, default_model, use_compile
 
 if TYPE_CHECKING:
     from whisper_cli.pipeline import TranscribeOptions
@@ -101,10 +101,7 @@ class Dtype(str, Enum):
     bf16 = "bf16"
 
 
-class Compile(str, Enum):
-    auto = "auto"
-    on = "on"
-    off = "off"
+Compile = Enum("Compile", {name: name for name in COMPILE_CHOICES}, type=str)
 
 
 class Task(str, Enum):
@@ -439,7 +436,7 @@ def transcribe_options(a: dict[str, Any], device_type: str) -> TranscribeOptions
         max_new_tokens=a["max_new_tokens"],
         initial_prompt=a["initial_prompt"],
         channel=parse_channel(a["channel"]),
-        compile=_use_compile(a["compile"], device_type),
+        compile=use_compile(a["compile"], device_type),
         vad=not a["no_vad"],
         policy=_policy(a),
         word_timestamps=a.get("word_timestamps", False),
@@ -481,10 +478,6 @@ def _load(model: str | None, policy, term: _Terminal):
         f"device {policy.device} [{time.perf_counter() - started:.1f} s]"
     )
     return loaded
-
-
-def _use_compile(choice: Compile, device_type: str) -> bool:
-    return choice == Compile.on or (choice == Compile.auto and device_type == "cuda")
 
 
 @app.command(cls=_Command, epilog=TRANSCRIBE_EXAMPLES)

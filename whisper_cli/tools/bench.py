@@ -42,9 +42,8 @@ from whisper_cli.allocator import keep_freed_memory
 from whisper_cli.dtypes import expand_dtypes, resolve_device
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.features import N_SAMPLES, SAMPLE_RATE
-from whisper_cli.options import default_model
+from whisper_cli.options import COMPILE_CHOICES, default_model, use_compile
 
-COMPILE_CHOICES = ("auto", "on", "off")
 REFERENCES = ("transformers",)
 BENCH_PATH = "<bench audio>"  # the name the pipeline sees for the served audio
 
@@ -481,7 +480,7 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
     loaded = load_model(spec["model"], policy)
     sync()
     load_s = time.perf_counter() - started
-    use_compile = spec["compile"] == "on" or (spec["compile"] == "auto" and on_cuda)
+    compiled = use_compile(spec["compile"], device.type)
     transcriber = Transcriber(
         loaded,
         TranscribeOptions(
@@ -489,7 +488,7 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
             timestamps=spec["timestamps"],
             batch_size=spec["batch_size"],
             max_new_tokens=spec["max_new_tokens"],
-            compile=use_compile,
+            compile=compiled,
             vad=spec.get("vad", True),
             word_timestamps=spec.get("word_timestamps", False),
         ),
@@ -530,7 +529,7 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
         model=Path(spec["model"]).name,
         model_path=str(loaded.path),
         dtype=policy.name,
-        compile=use_compile,
+        compile=compiled,
         device=str(device),
         device_name=device_name(device),
         torch_version=torch.__version__,
