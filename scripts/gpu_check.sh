@@ -9,7 +9,7 @@
 #     max_new_tokens in every window (no end-of-text, no timestamp pair, hence no tail
 #     windows): every configuration does the same, worst-case amount of decoding work;
 #   * `pytest -m cuda` runs with those directories findable by alias (WHISPER_CLI_MODELS);
-#   * `python -m whisper_cli.bench` runs batch 16, f32/f16/bf16, compile off and on,
+#   * `python -m whisper_cli.tools.bench` runs batch 16, f32/f16/bf16, compile off and on,
 #     in priority order until the time budget is spent (skipped ones are listed);
 #   * results go to $OUT: bench.json, bench.md, pytest_cuda.txt, env.txt, log.txt.
 #
@@ -45,7 +45,7 @@ mkdir -p "$GPU"
 
 if [[ $MODE == prepare ]]; then
   cp models/base/tokenizer.json "$GPU/tokenizer.json"
-  "$PY" -m whisper_cli.bench --export-audio "$GPU/speech.npy"  # default real speech, 16 kHz
+  "$PY" -m whisper_cli.tools.bench --export-audio "$GPU/speech.npy"  # default real speech, 16 kHz
   ls -l "$GPU/tokenizer.json" "$GPU/speech.npy"
   exit 0
 fi
@@ -250,7 +250,7 @@ import os
 import time
 from pathlib import Path
 
-from whisper_cli.bench import (
+from whisper_cli.tools.bench import (
     BenchConfig,
     BenchFailure,
     combine_reports,

@@ -1,4 +1,4 @@
-"""Tests for `whisper-cli bench` as a library (whisper_cli.bench, whisper_cli.reference)."""
+"""Tests for `whisper-cli bench` as a library (whisper_cli.tools.bench and .reference)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,21 @@ import numpy as np
 import pytest
 from util import real_model, shared_clip
 
-from whisper_cli import bench
-from whisper_cli.bench import (
+from whisper_cli.errors import WhisperCliError
+from whisper_cli.features import SAMPLE_RATE
+from whisper_cli.tools import bench
+from whisper_cli.tools.bench import (
     BenchConfig,
     BenchFailure,
     BenchReport,
     Comparison,
     ConfigResult,
-    expand_dtypes,
     render_table,
     report_to_json,
     run_bench,
     tiled_blocks,
 )
-from whisper_cli.errors import WhisperCliError
-from whisper_cli.features import SAMPLE_RATE
-from whisper_cli.reference import compare_texts
+from whisper_cli.tools.reference import compare_texts
 
 # Every per-configuration field the JSON report must carry.
 RESULT_FIELDS = {
@@ -55,15 +54,6 @@ RESULT_FIELDS = {
 
 
 # --- pure helpers ---------------------------------------------------------------------------
-
-
-def test_expand_dtypes() -> None:
-    assert expand_dtypes("all") == ("f32", "f16", "bf16")
-    assert expand_dtypes("bf16") == ("bf16",)
-    assert expand_dtypes("f32,bf16,f32") == ("f32", "bf16")
-    assert expand_dtypes(("auto",)) == ("auto",)
-    with pytest.raises(WhisperCliError, match="invalid dtype"):
-        expand_dtypes("f8")
 
 
 @pytest.mark.parametrize(
@@ -177,6 +167,28 @@ def test_a_failing_configuration_is_reported_not_raised(tmp_path: Path) -> None:
     assert report.results == ()
     assert len(report.failures) == 1
     assert "missing-model" in report.failures[0].error
+
+
+@pytest.mark.parametrize(("cuda", "expected"), [(True, "turbo"), (False, "base")])
+def test_no_model_means_the_default_of_the_device_it_runs_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda: bool, expected: str
+) -> None:
+    import torch
+
+    audio = tmp_path / "noise.npy"
+    np.save(audio, np.zeros(SAMPLE_RATE, np.float32))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    specs = []
+
+    def child(spec, timeout_s):
+        specs.append(spec)
+        raise WhisperCliError("not run")
+
+    monkeypatch.setattr(bench, "_run_child", child)
+    report = run_bench(BenchConfig(audio=str(audio), device="auto"))
+    assert [spec["model"] for spec in specs] == [expected]
+    assert report.config.model == expected
+    assert [f.model for f in report.failures] == [expected]
 
 
 def test_a_configuration_past_its_timeout_is_killed_and_reported(tmp_path: Path) -> None:

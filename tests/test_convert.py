@@ -1,4 +1,4 @@
-"""Tests for importing CTranslate2 Whisper directories (whisper_cli.convert)."""
+"""Tests for importing CTranslate2 Whisper directories (whisper_cli.tools.convert)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from whisper_cli.convert import convert_ct2, is_ct2_dir, read_ct2_model
 from whisper_cli.errors import WhisperCliError
+from whisper_cli.tools.convert import convert_ct2, is_ct2_dir, read_ct2_model
 
 transformers = pytest.importorskip("transformers")
 

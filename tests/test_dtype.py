@@ -210,3 +210,17 @@ def test_bf16_refused_on_a_cuda_device_without_it(monkeypatch):
     with pytest.raises(WhisperCliError, match="bf16 is not supported on Tesla T4"):
         dtypes.resolve_policy("bf16", "cuda")
     assert dtypes.resolve_policy("auto", "cuda").dtype == torch.float16
+
+
+def test_expand_dtypes_of_bench_and_eval():
+    from whisper_cli.errors import WhisperCliError
+
+    assert dtypes.expand_dtypes("all") == ("f32", "f16", "bf16")
+    assert dtypes.expand_dtypes("bf16") == ("bf16",)
+    assert dtypes.expand_dtypes("f32,bf16,f32") == ("f32", "bf16")
+    assert dtypes.expand_dtypes(["bf16", "all", "f32"]) == ("bf16", "f32", "f16")
+    assert dtypes.expand_dtypes(("auto",)) == ("auto",)
+    with pytest.raises(WhisperCliError, match="invalid dtype 'f8'; choose all or one of auto"):
+        dtypes.expand_dtypes("f8")
+    with pytest.raises(WhisperCliError, match="no dtype given"):
+        dtypes.expand_dtypes([])

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 from util import real_model, shared_clip
 
-from whisper_cli import evaluate as ev
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.pipeline import TranscribeOptions
 from whisper_cli.results import Transcript
+from whisper_cli.tools import evaluate as ev
 
 # --- fakes ---------------------------------------------------------------------------------
 
@@ -249,11 +249,18 @@ def test_all_dtypes_load_the_model_once_each(tmp_path, fake):
     assert data["results"][0]["clips"][0]["hypothesis"] == "hi"
 
 
-def test_expand_dtypes():
-    assert ev.expand_dtypes(["all"]) == ["f32", "f16", "bf16"]
-    assert ev.expand_dtypes(["bf16", "all", "f32"]) == ["bf16", "f32", "f16"]
-    with pytest.raises(WhisperCliError, match="invalid dtype"):
-        ev.expand_dtypes(["f64"])
+@pytest.mark.parametrize(("cuda", "expected"), [(True, "turbo"), (False, "base")])
+def test_no_model_means_the_default_of_the_device_it_runs_on(
+    tmp_path, fake, monkeypatch, cuda, expected
+):
+    import torch
+
+    manifest = write_manifest(tmp_path, [{"file": "a.wav", "language": "en", "reference": "hi"}])
+    fake({("a.wav", None): "hi"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    report = ev.evaluate(manifest, None, ["f32"], device="auto")
+    assert report.model == expected
+    assert report.device == ("cuda" if cuda else "cpu")
 
 
 def test_progress_reports_every_item(tmp_path, fake):

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.formats import temp_files
 from whisper_cli.inputs import AUDIO_EXTENSIONS
+from whisper_cli.options import default_model
 from whisper_cli.outputs import OutputPlan
 
 if TYPE_CHECKING:
@@ -474,7 +475,7 @@ def _run_local(config, plan, make_options, todo, record, log) -> None:
     from whisper_cli.dtypes import resolve_policy
 
     policy = resolve_policy(config.dtype, config.device)
-    model = config.model or loading.default_model(policy.device.type)
+    model = config.model or default_model(policy.device.type)
     started = time.perf_counter()
     loaded = loading.load_model(model, policy)
     log(
@@ -524,8 +525,6 @@ def _run_ray(config, plan, make_options, todo, record, log) -> None:
         elif device.startswith("cuda") and sizing.gpus == 0:
             raise WhisperCliError("--device cuda with --engine ray needs --gpus-per-worker")
         device_type = "cuda" if device.startswith("cuda") else "cpu"
-        from whisper_cli.loading import default_model
-
         model = config.model or default_model(device_type)
         spec = WorkerSpec(model, config.dtype, device, make_options(device_type), plan)
 

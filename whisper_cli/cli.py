@@ -36,7 +36,7 @@ from whisper_cli.errors import (
     WhisperCliError,
     WhisperCliWarning,
 )
-from whisper_cli.options import Policy
+from whisper_cli.options import COMPILE_CHOICES, Policy, default_model, use_compile
 
 if TYPE_CHECKING:
     from whisper_cli.pipeline import TranscribeOptions
@@ -101,10 +101,7 @@ class Dtype(str, Enum):
     bf16 = "bf16"
 
 
-class Compile(str, Enum):
-    auto = "auto"
-    on = "on"
-    off = "off"
+Compile = Enum("Compile", {name: name for name in COMPILE_CHOICES}, type=str)
 
 
 class Task(str, Enum):
@@ -146,7 +143,8 @@ ModelOpt = Annotated[
         "-m",
         metavar="NAME",
         help="Local HF or CTranslate2 dir, hub id, or alias (tiny, base, small, medium, "
-        "large-v3, turbo, *.en). Default: turbo on CUDA, base otherwise.",
+        f"large-v3, turbo, *.en). Default: {default_model('cuda')} on CUDA, "
+        f"{default_model('cpu')} otherwise.",
         rich_help_panel=PANEL_MODEL,
     ),
 ]
@@ -438,7 +436,7 @@ def transcribe_options(a: dict[str, Any], device_type: str) -> TranscribeOptions
         max_new_tokens=a["max_new_tokens"],
         initial_prompt=a["initial_prompt"],
         channel=parse_channel(a["channel"]),
-        compile=_use_compile(a["compile"], device_type),
+        compile=use_compile(a["compile"], device_type),
         vad=not a["no_vad"],
         policy=_policy(a),
         word_timestamps=a.get("word_timestamps", False),
@@ -469,7 +467,7 @@ def _policy(a: dict[str, Any]) -> Policy:
 
 
 def _load(model: str | None, policy, term: _Terminal):
-    from whisper_cli.loading import default_model, load_model
+    from whisper_cli.loading import load_model
 
     if model is None:
         model = default_model(policy.device.type)
@@ -480,10 +478,6 @@ def _load(model: str | None, policy, term: _Terminal):
         f"device {policy.device} [{time.perf_counter() - started:.1f} s]"
     )
     return loaded
-
-
-def _use_compile(choice: Compile, device_type: str) -> bool:
-    return choice == Compile.on or (choice == Compile.auto and device_type == "cuda")
 
 
 @app.command(cls=_Command, epilog=TRANSCRIBE_EXAMPLES)
@@ -993,7 +987,7 @@ def convert(
     debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
 ) -> None:
     """Import a CTranslate2 (faster-whisper) Whisper model into the Hugging Face layout."""
-    from whisper_cli.convert import convert_ct2
+    from whisper_cli.tools.convert import convert_ct2
 
     try:
         convert_ct2(src, dst)
@@ -1018,13 +1012,13 @@ def eval_command(
     """Word error rate (pooled over the clips) of a manifest, per dtype."""
     import json
 
-    from whisper_cli.evaluate import evaluate, render_table, report_to_json
+    from whisper_cli.tools.evaluate import evaluate, render_table, report_to_json
 
     try:
         with _Terminal(quiet=False, verbose=False).session():
             report = evaluate(
                 manifest,
-                model or "base",
+                model,
                 dtype.split(","),
                 device=device,
                 batch_size=batch_size,
@@ -1064,11 +1058,10 @@ def bench(
     """Speed and memory, reproducibly, optionally beside the transformers reference."""
     import json
 
-    from whisper_cli.bench import BenchConfig, render_table, report_to_json, run_bench
-    from whisper_cli.loading import default_model
+    from whisper_cli.tools.bench import BenchConfig, render_table, report_to_json, run_bench
 
     config = BenchConfig(
-        model=model or default_model("cuda" if device.startswith("cuda") else "cpu"),
+        model=model,
         dtypes=tuple(dtype.split(",")),
         batch_size=batch_size,
         audio=audio,

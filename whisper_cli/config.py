@@ -9,6 +9,11 @@ from typing import Any
 
 from whisper_cli.errors import WhisperCliError
 
+# English-only vocabularies have 51864 tokens, multilingual ones 51865 (51866 from large-v3).
+MULTILINGUAL_VOCAB_SIZE = 51865
+# openai-whisper's first timestamp of a window at most 1.0 s in: 1.0 / 0.02 s per step.
+MAX_INITIAL_TIMESTAMP_INDEX = 50
+
 
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from a model directory, with errors that name the file."""
@@ -96,7 +101,9 @@ class GenerationConfig:
                 begin_suppress_tokens=tuple(
                     int(t) for t in data.get("begin_suppress_tokens") or ()
                 ),
-                max_initial_timestamp_index=int(data.get("max_initial_timestamp_index", 50)),
+                max_initial_timestamp_index=int(
+                    data.get("max_initial_timestamp_index", MAX_INITIAL_TIMESTAMP_INDEX)
+                ),
                 alignment_heads=tuple(
                     (int(a), int(b)) for a, b in data.get("alignment_heads") or ()
                 ),

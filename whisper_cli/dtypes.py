@@ -19,6 +19,7 @@ where a tensor changes dtype can be read in one screen:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,24 @@ def dtype_name(dtype: torch.dtype) -> str:
         if value == dtype:
             return name
     raise WhisperCliError(f"unsupported dtype {dtype}")
+
+
+def expand_dtypes(value: str | Iterable[str]) -> tuple[str, ...]:
+    """`all` (every dtype: f32, f16 and bf16, f16 on CPU too), one choice or a comma-separated
+    list -> the choices to run, in order, each once (bench and eval run one per dtype)."""
+    names = value.split(",") if isinstance(value, str) else list(value)
+    out: list[str] = []
+    for name in (n.strip() for n in names):
+        for choice in DTYPE_NAMES if name == "all" else (name,):
+            if choice not in DTYPE_CHOICES:
+                raise WhisperCliError(
+                    f"invalid dtype {choice!r}; choose all or one of {', '.join(DTYPE_CHOICES)}"
+                )
+            if choice not in out:
+                out.append(choice)
+    if not out:
+        raise WhisperCliError("no dtype given")
+    return tuple(out)
 
 
 def resolve_policy(name: str, device: str | torch.device | None = None) -> DtypePolicy:

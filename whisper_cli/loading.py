@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from whisper_cli.config import GenerationConfig, ModelConfig
+from whisper_cli.config import MULTILINGUAL_VOCAB_SIZE, GenerationConfig, ModelConfig
 from whisper_cli.dtypes import DtypePolicy, cast_weight
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.model import Whisper
@@ -83,7 +83,7 @@ def resolve_model(name: str) -> Path:
 
 
 def _local_dir(path: Path) -> Path:
-    from whisper_cli.convert import convert_ct2, is_ct2_dir
+    from whisper_cli.tools.convert import convert_ct2, is_ct2_dir
 
     if not path.is_dir():
         raise WhisperCliError(f"model path {path} is not a directory")
@@ -196,11 +196,6 @@ class LoadedModel:
     name: str
 
 
-def default_model(device_type: str) -> str:
-    """The model of a run that names none: turbo on CUDA, base otherwise."""
-    return "turbo" if device_type == "cuda" else "base"
-
-
 def load_model(name: str, policy: DtypePolicy) -> LoadedModel:
     """Resolve, read and build a model in the policy's dtype and device."""
     model_dir = resolve_model(name)
@@ -208,7 +203,7 @@ def load_model(name: str, policy: DtypePolicy) -> LoadedModel:
     generation = GenerationConfig.load(model_dir)
     multilingual = generation.is_multilingual
     if multilingual is None:
-        multilingual = config.vocab_size >= 51865  # English-only vocabularies have 51864
+        multilingual = config.vocab_size >= MULTILINGUAL_VOCAB_SIZE
     tokenizer = Tokenizer(model_dir / "tokenizer.json", multilingual=multilingual)
     with torch.device("meta"):
         model = Whisper(config)  # no memory, no random init: weights are assigned below

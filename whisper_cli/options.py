@@ -1,4 +1,5 @@
-"""Transcription options, and the policy: every threshold of a run, with its provenance.
+"""Transcription options, the policy (every threshold of a run, with its provenance) and
+the defaults a run takes when the user names none (the model per device, compile auto).
 
 Values marked "Silero", "openai-whisper" or "faster-whisper" are those projects' own
 defaults, kept because users compare with them and because they were tuned on far more
@@ -9,6 +10,22 @@ the clips the tests assert on.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+def default_model(device_type: str) -> str:
+    """The model of a run that names none: turbo on CUDA, base otherwise.
+
+    The one place this is decided: transcribe, batch, bench and eval all ask here.
+    """
+    return "turbo" if device_type == "cuda" else "base"
+
+
+COMPILE_CHOICES = ("auto", "on", "off")
+
+
+def use_compile(choice: str, device_type: str) -> bool:
+    """`--compile auto|on|off` on a device: auto compiles the decode step on CUDA only."""
+    return choice == "on" or (choice == "auto" and device_type == "cuda")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from whisper_cli.config import MAX_INITIAL_TIMESTAMP_INDEX, MULTILINGUAL_VOCAB_SIZE
 from whisper_cli.errors import WhisperCliError
+from whisper_cli.features import CHUNK_SECONDS, HOP_LENGTH, N_FFT, N_FRAMES, N_SAMPLES, SAMPLE_RATE
 
 MODEL_BIN = "model.bin"
 CT2_CONFIG = "config.json"
@@ -75,16 +77,6 @@ _REQUIRED_FLAGS = {
 }
 _IGNORED_FLAGS = ("decoder/alignment_layer", "decoder/alignment_heads")
 _IGNORED_FLAG_SUFFIXES = ("/keep_in_float32",)  # a CTranslate2 quantization hint per linear
-
-# Whisper's audio front end; fixed by the model family, not stored in CTranslate2 dirs.
-_SAMPLING_RATE = 16000
-_N_FFT = 400
-_HOP_LENGTH = 160
-_CHUNK_LENGTH = 30
-_MULTILINGUAL_VOCAB_SIZE = 51865  # English-only checkpoints have 51864 tokens
-
-# openai-whisper suppresses timestamps before 1.0 s at the start: 1.0 / 0.02 s per step.
-_MAX_INITIAL_TIMESTAMP_INDEX = 50
 
 _LANGUAGE_TOKEN = re.compile(r"<\|([a-z]{2,3})\|>")
 
@@ -674,7 +666,7 @@ def _hf_config(
 
 def _generation_config(dims: _Dims, ids: _TokenIds, ct2_config: dict[str, Any]) -> dict[str, Any]:
     """generation_config.json as Hugging Face ships it for openai/whisper-*."""
-    multilingual = dims.vocab_size >= _MULTILINGUAL_VOCAB_SIZE
+    multilingual = dims.vocab_size >= MULTILINGUAL_VOCAB_SIZE
     config: dict[str, Any] = {
         "alignment_heads": _alignment_heads(ct2_config, dims),
         "begin_suppress_tokens": _int_list(ct2_config, "suppress_ids_begin", [220, ids.eot]),
@@ -682,7 +674,7 @@ def _generation_config(dims: _Dims, ids: _TokenIds, ct2_config: dict[str, Any]) 
         "decoder_start_token_id": ids.sot,
         "eos_token_id": ids.eot,
         "is_multilingual": multilingual,
-        "max_initial_timestamp_index": _MAX_INITIAL_TIMESTAMP_INDEX,
+        "max_initial_timestamp_index": MAX_INITIAL_TIMESTAMP_INDEX,
         "max_length": dims.max_target_positions,
         "no_timestamps_token_id": ids.no_timestamps,
         "pad_token_id": ids.eot,
@@ -710,21 +702,24 @@ def _generation_config(dims: _Dims, ids: _TokenIds, ct2_config: dict[str, Any]) 
 
 
 def _preprocessor_config(dims: _Dims, src: Path) -> dict[str, Any]:
-    """WhisperFeatureExtractor settings; only the number of mel bins varies by model."""
-    n_samples = _CHUNK_LENGTH * _SAMPLING_RATE
+    """WhisperFeatureExtractor settings; only the number of mel bins varies by model.
+
+    The rest is Whisper's audio front end, fixed by the model family (not stored in
+    CTranslate2 directories): our own front end's constants (features.py).
+    """
     config = {
-        "chunk_length": _CHUNK_LENGTH,
+        "chunk_length": CHUNK_SECONDS,
         "feature_extractor_type": "WhisperFeatureExtractor",
         "feature_size": dims.num_mel_bins,
-        "hop_length": _HOP_LENGTH,
-        "n_fft": _N_FFT,
-        "n_samples": n_samples,
-        "nb_max_frames": n_samples // _HOP_LENGTH,
+        "hop_length": HOP_LENGTH,
+        "n_fft": N_FFT,
+        "n_samples": N_SAMPLES,
+        "nb_max_frames": N_FRAMES,
         "padding_side": "right",
         "padding_value": 0.0,
         "processor_class": "WhisperProcessor",
         "return_attention_mask": False,
-        "sampling_rate": _SAMPLING_RATE,
+        "sampling_rate": SAMPLE_RATE,
     }
     # faster-whisper ships one for large-v3 (128 mel bins); it must agree with the weights.
     shipped = src / "preprocessor_config.json"

@@ -24,13 +24,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from whisper_cli.dtypes import DTYPE_CHOICES, DtypePolicy, resolve_policy
+from whisper_cli.dtypes import DtypePolicy, expand_dtypes, resolve_policy
 from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.loading import LoadedModel, load_model
+from whisper_cli.options import default_model
 from whisper_cli.pipeline import Progress, TranscribeOptions, Transcriber
 from whisper_cli.results import Transcript
 
-ALL_DTYPES = ("f32", "f16", "bf16")
 # Written without spaces between words: scored by characters (CER) instead of words.
 NO_SPACE_LANGUAGES = frozenset({"zh", "ja", "th", "lo", "my", "km", "yue", "bo"})
 CHANNELS = ("left", "right")
@@ -279,21 +279,6 @@ class EvalProgress:
 # --- running ---------------------------------------------------------------------------
 
 
-def expand_dtypes(dtypes: Iterable[str]) -> list[str]:
-    """ "all" stands for f32, f16 and bf16 (f16 included on CPU too, slow as it is)."""
-    out: list[str] = []
-    for name in dtypes:
-        for one in ALL_DTYPES if name == "all" else (name,):
-            if one not in DTYPE_CHOICES:
-                choices = ", ".join((*DTYPE_CHOICES, "all"))
-                raise WhisperCliError(f"invalid dtype {one!r}; choose one of {choices}")
-            if one not in out:
-                out.append(one)
-    if not out:
-        raise WhisperCliError("no dtype to evaluate")
-    return out
-
-
 def options_for(
     item: EvalItem, multilingual_model: bool, batch_size: int, vad: bool = True
 ) -> TranscribeOptions:
@@ -339,14 +324,14 @@ def transcribe_paths(
 
 def evaluate(
     manifest_path: Path | str,
-    model: str,
+    model: str | None,
     dtypes: Iterable[str] = ("f32",),
     device: str | None = None,
     batch_size: int = 16,
     progress: Callable[[EvalProgress], None] | None = None,
     vad: bool = True,
 ) -> EvalReport:
-    """Score ``model`` on every referenced clip of the manifest, once per dtype."""
+    """Score ``model`` (None: the device's default) on every referenced clip, once per dtype."""
     manifest = read_manifest(manifest_path)
     # Every dtype is checked against the device before the first (slow) run starts.
     policies: list[DtypePolicy] = []
@@ -354,6 +339,7 @@ def evaluate(
         policy = resolve_policy(name, device)
         if policy not in policies:  # "auto" may repeat an explicit choice
             policies.append(policy)
+    model = model or default_model(policies[0].device.type)
     items: tuple[EvalItem, ...] = ()
     skipped = list(manifest.skipped)
     results: list[DtypeResult] = []

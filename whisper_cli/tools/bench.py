@@ -1,6 +1,6 @@
 """`whisper-cli bench`: how fast the pipeline transcribes, per model x dtype configuration.
 
-Method. Each configuration runs in a child process of its own (`python -m whisper_cli.bench
+Method. Each configuration runs in a child process of its own (`python -m whisper_cli.tools.bench
 --child SPEC`): peak RSS cannot be reset within a process, so only a fresh process measures
 one configuration's CPU memory, and it isolates compile caches and CUDA state as well. The
 child loads the model (timed), transcribes the whole audio once as a warm-up (compilation,
@@ -39,16 +39,15 @@ from typing import Any
 import numpy as np
 
 from whisper_cli.allocator import keep_freed_memory
+from whisper_cli.dtypes import expand_dtypes, resolve_device
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.features import N_SAMPLES, SAMPLE_RATE
+from whisper_cli.options import COMPILE_CHOICES, default_model, use_compile
 
-ALL_DTYPES = ("f32", "f16", "bf16")
-DTYPE_CHOICES = ("auto", *ALL_DTYPES)
-COMPILE_CHOICES = ("auto", "on", "off")
 REFERENCES = ("transformers",)
 BENCH_PATH = "<bench audio>"  # the name the pipeline sees for the served audio
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 # The default speech: every real clip of ../shared/audio, each stereo channel on its own.
 _DEFAULT_CLIPS = (
     ("jfk.flac", None),
@@ -64,8 +63,8 @@ _STDERR_TAIL = 3000  # characters of a failed child's stderr kept in its failure
 
 @dataclass(frozen=True)
 class BenchConfig:
-    model: str = "base"
-    dtypes: tuple[str, ...] = ("auto",)  # each one configuration; see expand_dtypes
+    model: str | None = None  # None: the device's default (options.default_model)
+    dtypes: tuple[str, ...] = ("auto",)  # each one configuration; see dtypes.expand_dtypes
     batch_size: int = 16
     audio: str | None = None  # a file, or a .npy float32 16 kHz array; None: default speech
     duration: float | None = None  # tile (or cut) the audio to this many seconds
@@ -155,21 +154,11 @@ class BenchReport:
     failures: tuple[BenchFailure, ...] = ()
 
 
-def expand_dtypes(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """`all`, one dtype, or a comma-separated list -> the dtypes to run, in order."""
-    names = value.split(",") if isinstance(value, str) else list(value)
-    out: list[str] = []
-    for name in (n.strip() for n in names):
-        for dtype in ALL_DTYPES if name == "all" else (name,):
-            if dtype not in DTYPE_CHOICES:
-                raise WhisperCliError(
-                    f"invalid dtype {dtype!r}; choose all or one of {', '.join(DTYPE_CHOICES)}"
-                )
-            if dtype not in out:
-                out.append(dtype)
-    if not out:
-        raise WhisperCliError("no dtype given")
-    return tuple(out)
+def with_model(config: BenchConfig) -> BenchConfig:
+    """The config with its model named: the default of the device it runs on, if none."""
+    if config.model is not None:
+        return config
+    return dataclasses.replace(config, model=default_model(resolve_device(config.device).type))
 
 
 def validate(config: BenchConfig) -> None:
@@ -201,6 +190,7 @@ def run_bench(config: BenchConfig, on_progress: Callable[[str], None] | None = N
     run. `on_progress` gets one line per configuration started.
     """
     validate(config)
+    config = with_model(config)
     clip, description = load_bench_audio(config.audio)
     n_samples = _target_samples(len(clip), config.duration)
     results: list[ConfigResult] = []
@@ -307,7 +297,7 @@ def _child_spec(
 
 
 def _run_child(spec: dict[str, Any], timeout_s: float | None) -> ConfigResult:
-    """Run one configuration in `python -m whisper_cli.bench --child` and read its result."""
+    """Run one configuration in `python -m whisper_cli.tools.bench --child` and read its result."""
     spec_path = Path(spec["result"]).with_suffix(".spec.json")
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ)
@@ -315,7 +305,7 @@ def _run_child(spec: dict[str, Any], timeout_s: float | None) -> ConfigResult:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
     # A session of its own, so a timeout also ends compile workers the child started.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "whisper_cli.bench", "--child", str(spec_path)],
+        [sys.executable, "-m", "whisper_cli.tools.bench", "--child", str(spec_path)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -490,7 +480,7 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
     loaded = load_model(spec["model"], policy)
     sync()
     load_s = time.perf_counter() - started
-    use_compile = spec["compile"] == "on" or (spec["compile"] == "auto" and on_cuda)
+    compiled = use_compile(spec["compile"], device.type)
     transcriber = Transcriber(
         loaded,
         TranscribeOptions(
@@ -498,7 +488,7 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
             timestamps=spec["timestamps"],
             batch_size=spec["batch_size"],
             max_new_tokens=spec["max_new_tokens"],
-            compile=use_compile,
+            compile=compiled,
             vad=spec.get("vad", True),
             word_timestamps=spec.get("word_timestamps", False),
         ),
@@ -539,7 +529,7 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
         model=Path(spec["model"]).name,
         model_path=str(loaded.path),
         dtype=policy.name,
-        compile=use_compile,
+        compile=compiled,
         device=str(device),
         device_name=device_name(device),
         torch_version=torch.__version__,
@@ -578,7 +568,7 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
 def _compare(
     spec: dict[str, Any], loaded, text: str, wall: float, language: str | None, clip: np.ndarray
 ) -> Comparison:
-    from whisper_cli.reference import compare_texts, run_reference
+    from whisper_cli.tools.reference import compare_texts, run_reference
 
     ref = run_reference(
         loaded.path,
@@ -741,16 +731,19 @@ def _child_main(spec_path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m whisper_cli.bench`: the child entry point, and a plain CLI for scripts.
+    """`python -m whisper_cli.tools.bench`: the child entry point, and a plain CLI for scripts.
 
     The user-facing command is `whisper-cli bench` (whisper_cli.cli); this one needs no
     Typer, so that machines without it (and scripts/gpu_check.sh) can run benchmarks.
     """
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m whisper_cli.bench")
+    parser = argparse.ArgumentParser(prog="python -m whisper_cli.tools.bench")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--model", default="base")
+    parser.add_argument(
+        "--model",
+        help=f"default: {default_model('cuda')} on CUDA, {default_model('cpu')} otherwise",
+    )
     parser.add_argument("--dtype", default="auto", help="f32, f16, bf16, auto, all or a list")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--audio", help="audio file or .npy float32 16 kHz array")

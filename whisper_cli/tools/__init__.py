@@ -1,0 +1,15 @@
+"""Tools around the engine: they measure it or feed it, and are never part of a transcription.
+
+* `bench`     - speed and memory per model x dtype, each configuration in a child process
+                (`python -m whisper_cli.tools.bench`, also the plain CLI scripts use).
+* `evaluate`  - word (or character) error rate of a manifest of reference transcripts.
+* `reference` - transformers' Whisper on the same windows, the reference `bench` compares to.
+* `convert`   - the CTranslate2 (faster-whisper) importer into the Hugging Face layout.
+
+They live apart so that the engine stays small and reads in one pass: the transcription
+path (options, audio, speech, windows, pipeline, decoding, model) never imports this
+package. The tools take dtype names, the default model, the audio front end's constants and
+model facts from the engine's modules (`dtypes`, `options`, `features`, `config`), never from
+copies of their own. Two entry points reach in, both lazily: the CLI's `bench`, `eval` and `convert`
+commands, and `loading`, which imports `convert` when a model path is a CTranslate2 directory.
+"""
