@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -240,6 +241,15 @@ def test_short_real_run_reports_every_field() -> None:
     assert result["windows"] >= 1 and result["batches"] >= 1
     assert 0 < result["generated_tokens"] <= result["windows"] * 64
     assert result["decode_steps"] >= result["batches"] + 1
+    # What the engine ran, per timed run, and the text's hash.
+    engine = result["engine"]
+    assert engine["encoded_rows"] == result["windows"]
+    assert engine["prefills"] + engine["steps"] == result["decode_steps"]
+    assert engine["tokens"] == result["generated_tokens"]
+    assert engine["graphs"] == engine["recompiles"] == 0  # eager
+    assert result["engine_warmup"]["decodes"] >= 1
+    text = report.results[0].text
+    assert result["text_sha256"] == hashlib.sha256(text.encode()).hexdigest()
     assert result["comparison"] is None
     assert report.results[0].words > 20  # 30 s of speech was transcribed
     assert "ask not what your country can do for you" in report.results[0].text.lower()

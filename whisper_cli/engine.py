@@ -40,6 +40,7 @@ class EngineCounters:
     prefills: int = 0
     steps: int = 0  # one-token decode steps (each for the whole current batch)
     row_steps: int = 0  # sum over steps of the rows in the batch (shrinking shows here)
+    tokens: int = 0  # sampled text and timestamp tokens of the real rows, end-of-text excluded
     graphs: int = 0  # graphs compiled for the step (torch.compile)
     recompiles: int = 0  # graphs compiled beyond the first of each step function
     graph_breaks: int = 0
@@ -240,6 +241,7 @@ class Engine:
             final, self.special.eot, no_speech.tolist(), languages, temperatures
         )
         self._prepared = None  # the next batch brings its own
+        self.counters.tokens += sum(len(r.tokens) for r in results[:n])
         self.counters.decodes += 1
         self.counters.decoded_rows += b
         self.counters.decode_s += self._stop(started)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import platform
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,11 @@ class ConfigResult:
     # what it adds on top of the rest of the run (align / (wall - align)).
     align_ms_per_window: float = 0.0
     word_timing_overhead: float = 0.0
+    text_sha256: str = ""  # of `text`: compiled = eager at a glance, across machines
+    # engine.EngineCounters per timed run (graphs, recompiles, cudagraph_skips, steps...),
+    # and their totals after the warm-up run (where compilation happens).
+    engine: dict[str, float] = field(default_factory=dict)
+    engine_warmup: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -397,67 +403,6 @@ def serve_audio(source: ArraySource) -> Iterator[None]:
         pipeline.open_audio = original
 
 
-@dataclass
-class _Totals:
-    encode_s: float = 0.0
-    windows: int = 0
-    batches: int = 0
-    decode_s: float = 0.0
-    steps: int = 0
-    tokens: int = 0
-    align_s: float = 0.0
-
-
-class _Probe:
-    """Timing shims around a GreedyDecoder's encode and decode (instance attributes)."""
-
-    def __init__(self, decoder, sync: Callable[[], None], aligner=None) -> None:
-        self.totals = _Totals()
-        self.sync = sync
-        encode, decode = decoder.encode, decoder.decode
-        if aligner is not None:
-            align = aligner.align
-
-            def timed_align(*args, **kwargs):
-                started = self._start()
-                out = align(*args, **kwargs)
-                self.totals.align_s += self._stop(started)
-                return out
-
-            aligner.align = timed_align
-
-        def timed_encode(mel):
-            started = self._start()
-            out = encode(mel)
-            self.totals.encode_s += self._stop(started)
-            self.totals.windows += mel.shape[0]
-            self.totals.batches += 1
-            return out
-
-        def timed_decode(*args, **kwargs):
-            started = self._start()
-            passes = decoder.forward_passes
-            rows = decode(*args, **kwargs)
-            self.totals.decode_s += self._stop(started)
-            # The prompt pass (which yields the first token) and one per token step.
-            self.totals.steps += decoder.forward_passes - passes
-            self.totals.tokens += sum(len(row.tokens) for row in rows)
-            return rows
-
-        decoder.encode, decoder.decode = timed_encode, timed_decode
-
-    def _start(self) -> float:
-        self.sync()
-        return time.perf_counter()
-
-    def _stop(self, started: float) -> float:
-        self.sync()
-        return time.perf_counter() - started
-
-    def reset(self) -> None:
-        self.totals = _Totals()
-
-
 def measure(spec: dict[str, Any]) -> ConfigResult:
     """Load, warm up and time one configuration in this process (the child's work)."""
     import torch
@@ -492,8 +437,9 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
             vad=spec.get("vad", True),
             word_timestamps=spec.get("word_timestamps", False),
         ),
+        timed=True,  # stages synchronise the device, so each one's time is its own
     )
-    probe = _Probe(transcriber.decoder, sync, transcriber.aligner)
+    engine = transcriber.engine
     clip = np.load(spec["clip"])
     source = ArraySource(clip, spec["n_samples"])
 
@@ -506,24 +452,25 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
 
     with serve_audio(source):
         warmup_wall, _ = timed_run()
-        probe.reset()  # only the timed runs count
-        counted = dataclasses.replace(transcriber.counters)
+        # Only the timed runs count: differences of the counters over them.
+        before = dataclasses.replace(transcriber.counters)
+        engine_before = dataclasses.replace(engine.counters)
         runs = [timed_run() for _ in range(spec["repeats"])]
-    detector_s = transcriber.counters.detector_s - counted.detector_s
-    fallbacks = transcriber.counters.fallbacks - counted.fallbacks
+    n = len(runs)
+    ran = _per_run(engine.counters, engine_before, n)
+    run_counters = _per_run(transcriber.counters, before, n)
     peak_mb, peak_kind = _peak_memory_mb(device)
 
     walls = tuple(wall for wall, _ in runs)
     wall = statistics.median(walls)
     transcript = runs[-1][1]
-    totals, n = probe.totals, len(runs)
     audio_s = spec["n_samples"] / SAMPLE_RATE
     transcriber_words = transcriber.aligner is not None
-    align_run = totals.align_s / n
+    align_run = run_counters["align_s"]
     comparison = None
     if spec["against"]:
         language = transcript.language if loaded.tokenizer.is_multilingual else None
-        del transcriber, probe
+        del transcriber, engine
         comparison = _compare(spec, loaded, transcript.text, wall, language, clip)
     return ConfigResult(
         model=Path(spec["model"]).name,
@@ -544,15 +491,15 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
         load_s=load_s,
         warmup_wall_s=warmup_wall,
         warmup_s=max(0.0, warmup_wall - wall),
-        windows=totals.windows // n,
-        batches=totals.batches // n,
-        decode_steps=totals.steps // n,
-        generated_tokens=totals.tokens // n,
-        encoder_ms_per_window=1000 * totals.encode_s / max(totals.windows, 1),
-        decode_ms_per_step=1000 * totals.decode_s / max(totals.steps, 1),
-        tokens_per_s=totals.tokens / totals.decode_s if totals.decode_s else 0.0,
-        detector_s=detector_s / n,
-        fallbacks=fallbacks // n,
+        windows=round(ran["encoded_rows"]),
+        batches=round(ran["encoder_passes"]),
+        decode_steps=round(ran["prefills"] + ran["steps"]),
+        generated_tokens=round(ran["tokens"]),
+        encoder_ms_per_window=1000 * ran["encode_s"] / max(ran["encoded_rows"], 1),
+        decode_ms_per_step=1000 * ran["decode_s"] / max(ran["prefills"] + ran["steps"], 1),
+        tokens_per_s=ran["tokens"] / ran["decode_s"] if ran["decode_s"] else 0.0,
+        detector_s=run_counters["detector_s"],
+        fallbacks=round(run_counters["fallbacks"]),
         peak_memory_mb=peak_mb,
         peak_memory_kind=peak_kind,
         language=transcript.language,
@@ -560,9 +507,20 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
         text=transcript.text,
         comparison=comparison,
         word_timestamps=transcriber_words,
-        align_ms_per_window=1000 * totals.align_s / max(totals.windows, 1),
+        align_ms_per_window=1000 * align_run / max(ran["encoded_rows"], 1),
         word_timing_overhead=align_run / (wall - align_run) if wall > align_run else 0.0,
+        text_sha256=hashlib.sha256(transcript.text.encode()).hexdigest(),
+        engine=ran,
+        engine_warmup=dataclasses.asdict(engine_before),
     )
+
+
+def _per_run(after, before, n: int) -> dict[str, float]:
+    """Counters (a dataclass of numbers) per timed run: (after - before) / n."""
+    return {
+        name: (value - getattr(before, name)) / n
+        for name, value in dataclasses.asdict(after).items()
+    }
 
 
 def _compare(
