@@ -12,6 +12,11 @@ makes the file from the same HF weights whisper-cli runs. The layout, all little
       name; data in C order
 
 Matrices and conv kernels are stored f16 (ftype 1), everything else f32, as the converter does.
+Checked against whisper.cpp's models/for-tests-ggml-{tiny.en,base}.bin (header, filters and
+vocabulary, no tensors): hparams equal, filters within 2e-9, tokens equal except where those
+old files hold U+FFFD for a token that is not valid UTF-8 alone (we write its raw bytes, as
+the current converter does) and, for multilingual models, our one more entry: the
+end-of-text token under its own name (whisper.cpp names it "[_EOT_]" when absent).
 
     python scripts/ggml_weights.py models/tiny.en .cache/ggml/tiny.en.bin
 """
