@@ -200,8 +200,9 @@ def peer_versions(peer_python: str | None) -> list[str]:
 def ggml_file(hf_dir: Path, model: str) -> tuple[Path | None, str]:
     """whisper.cpp's weights for `model`, written from hf_dir on first use; else why not."""
     path = REPO / ".cache" / "ggml" / f"{model}.bin"
-    if path.exists():
-        return path, ""
+    weights = hf_dir / "model.safetensors"
+    if path.exists() and weights.exists() and path.stat().st_mtime >= weights.stat().st_mtime:
+        return path, ""  # written from these weights (a re-imported model writes it again)
     done = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "ggml_weights.py"), str(hf_dir), str(path)],
         capture_output=True,
