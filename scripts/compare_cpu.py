@@ -24,7 +24,7 @@ and the CTranslate2 model directories with --ct2-dir (make models leaves them in
 .cache/ct2). A row that cannot run is left out with its reason printed. Every child gets
 --threads threads (OMP_NUM_THREADS for torch, cpu_threads / n_threads for the peers).
 
-The issue-12 comparison (a quiet machine; about 10 minutes on 2 cores):
+The issue-12 comparison (a quiet machine; 7 rows x 3 repeats, some 10-15 minutes on 2 cores):
 
     .venv/bin/python scripts/compare_cpu.py --minutes 10 --repeats 3 --models tiny.en \\
         --peer-python /tmp/peers/bin/python
