@@ -1,23 +1,50 @@
-"""Whole-process wall time and WER: whisper-cli vs transformers vs faster-whisper, on CPU.
+"""Whole-process wall time and WER on CPU: whisper-cli vs faster-whisper vs whisper.cpp.
 
 Builds N minutes of real English speech from ../shared/audio (with its reference text),
-then times each implementation as a separate process (load included), `--repeats`
-times in round-robin order, and prints the median and the WER of each row. faster-whisper is not a
-dependency: pass the Python of a throw-away environment that has it with --fw-python,
-and the CTranslate2 model directories (make models leaves them under .cache/ct2).
+then times each implementation as a separate process (load included), `--repeats` times
+in round-robin order, and prints the median, its ratio to faster-whisper's batched
+pipeline at int8, and the WER of each row, under a header naming the CPU, the thread
+count and the versions. Rows:
 
-    python scripts/compare_cpu.py --minutes 10 --repeats 3 --fw-python /tmp/fwenv/bin/python
+- whisper-cli at each of --dtypes (this checkout, `python -m whisper_cli`, batch 16);
+- fw-batched: faster-whisper's BatchedInferencePipeline (batch 16, greedy) at each of --fw-types;
+- fw-sequential: faster-whisper's WhisperModel.transcribe (greedy) at each of --fw-types;
+- whisper.cpp: the `pywhispercpp` wheel (greedy, its default temperature fallback as
+  ours), with the ggml file that scripts/ggml_weights.py writes from the same HF weights
+  into .cache/ggml/ (whisper.cpp's f16 weights: its dtype column says f16);
+- transformers (only when named in --only): the transformers ASR pipeline, the reference.
+
+faster-whisper and pywhispercpp are not dependencies: pass the Python of a throw-away
+environment that has them with --peer-python, made once with
+
+    python3.11 -m venv /tmp/peers
+    /tmp/peers/bin/pip install faster-whisper==1.2.1 pywhispercpp==1.5.1
+
+and the CTranslate2 model directories with --ct2-dir (make models leaves them in
+.cache/ct2). A row that cannot run is left out with its reason printed. Every child gets
+--threads threads (OMP_NUM_THREADS for torch, cpu_threads / n_threads for the peers).
+
+The issue-12 comparison (a quiet machine; 7 rows x 3 repeats, some 10-15 minutes on 2 cores):
+
+    .venv/bin/python scripts/compare_cpu.py --minutes 10 --repeats 3 --models tiny.en \\
+        --peer-python /tmp/peers/bin/python
+
+Its targets (printed with each run, met or not): whole process, 10 minutes of English,
+tiny.en, batch 16, WER <= 1.5%: whisper-cli bf16 <= 0.6x and f32 <= 0.9x the time of
+fw-batched int8.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,20 +52,36 @@ import soundfile as sf
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "audio"
+BASELINE = ("fw-batched", "int8")
+# The issue's targets: whisper-cli dtype -> the most time it may take, as a fraction of
+# BASELINE's on the same model; and the most WER any of those rows may have.
+TARGET_RATIOS = {"bf16": 0.6, "f32": 0.9}
+TARGET_WER = 1.5  # percent
+TARGET_MINUTES, TARGET_MODEL = 10, "tiny.en"
 
 FW_BATCHED = """
 import sys, faster_whisper as fw
-m = fw.WhisperModel(sys.argv[1], device="cpu", compute_type=sys.argv[2], cpu_threads=2)
+model_dir, compute_type, wav, threads = sys.argv[1:5]
+m = fw.WhisperModel(model_dir, device="cpu", compute_type=compute_type, cpu_threads=int(threads))
 p = fw.BatchedInferencePipeline(model=m)
-segs, _ = p.transcribe(sys.argv[3], batch_size=16, beam_size=1, temperature=0, language="en")
+segs, _ = p.transcribe(wav, batch_size=16, beam_size=1, temperature=0, language="en")
 print(" ".join(s.text.strip() for s in segs))
 """
 FW_SEQUENTIAL = """
 import sys, faster_whisper as fw
-m = fw.WhisperModel(sys.argv[1], device="cpu", compute_type=sys.argv[2], cpu_threads=2)
-segs, _ = m.transcribe(sys.argv[3], beam_size=1, temperature=0, language="en",
+model_dir, compute_type, wav, threads = sys.argv[1:5]
+m = fw.WhisperModel(model_dir, device="cpu", compute_type=compute_type, cpu_threads=int(threads))
+segs, _ = m.transcribe(wav, beam_size=1, temperature=0, language="en",
     without_timestamps=False, vad_filter=False, condition_on_previous_text=False)
 print(" ".join(s.text.strip() for s in segs))
+"""
+WHISPER_CPP = """
+import sys
+from pywhispercpp.model import Model
+ggml, wav, threads = sys.argv[1:4]
+m = Model(ggml, n_threads=int(threads), language="en", print_progress=False,
+    redirect_whispercpp_logs_to=None)
+print(" ".join(s.text.strip() for s in m.transcribe(wav)))
 """
 TRANSFORMERS = """
 import sys, torch
@@ -54,6 +97,31 @@ out = asr({"raw": audio, "sampling_rate": rate}, chunk_length_s=30, batch_size=1
     return_timestamps=True, generate_kwargs=kw)
 print(out["text"])
 """
+PEER_VERSIONS = """
+import importlib.metadata as md
+for name in ("faster-whisper", "ctranslate2", "pywhispercpp"):
+    try:
+        print(f"{name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"{name} missing")
+try:
+    import _pywhispercpp
+    print("whisper.cpp build:", _pywhispercpp.whisper_print_system_info().strip())
+except ImportError:
+    pass
+"""
+
+
+@dataclass(frozen=True)
+class Run:
+    impl: str
+    model: str
+    dtype: str
+    cmd: list[str]
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.impl, self.model, self.dtype)
 
 
 def build_speech(minutes: float, out: Path) -> str:
@@ -62,7 +130,6 @@ def build_speech(minutes: float, out: Path) -> str:
 
     manifest = json.loads((SHARED / "manifest.json").read_text())
     clips = {c["file"]: c for c in manifest["clips"]}
-    pieces = []
 
     def load(name, channel=None):
         audio, rate = sf.read(SHARED / name, dtype="float32", always_2d=True)
@@ -98,108 +165,207 @@ def wer(reference: str, hypothesis: str) -> float:
     return jiwer.wer(norm(reference), norm(hypothesis))
 
 
-def timed(cmd: list[str]) -> tuple[float, str]:
+def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
     started = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"{cmd[:4]} failed: {done.stderr[-2000:]}")
     return wall, done.stdout
 
 
+def cpu_model() -> str:
+    """The model name, with family/model and the vector flags the kernels' speed turns on
+    (a VM may show only "AMD EPYC": family 25 model 1 is Zen 3, model 17 Zen 4)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return platform.processor() or "unknown CPU"
+    info = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    flags = set(info.get("flags", "").split())
+    vector = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return (
+        f"{info.get('model name', 'unknown CPU')} (family {info.get('cpu family', '?')}, "
+        f"model {info.get('model', '?')}; {' '.join(vector) or 'no avx2'})"
+    )
+
+
+def peer_versions(peer_python: str | None) -> list[str]:
+    if peer_python is None:
+        return ["peers: none (no --peer-python)"]
+    done = subprocess.run(
+        [peer_python, "-c", PEER_VERSIONS], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        return [f"peers: {peer_python} failed: {done.stderr.strip()[-300:]}"]
+    return done.stdout.strip().splitlines()
+
+
+def ggml_file(hf_dir: Path, model: str) -> tuple[Path | None, str]:
+    """whisper.cpp's weights for `model`, written from hf_dir on first use; else why not."""
+    path = REPO / ".cache" / "ggml" / f"{model}.bin"
+    weights = hf_dir / "model.safetensors"
+    if path.exists() and weights.exists() and path.stat().st_mtime >= weights.stat().st_mtime:
+        return path, ""  # written from these weights (a re-imported model writes it again)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "ggml_weights.py"), str(hf_dir), str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        return None, f"cannot write ggml weights: {done.stderr.strip()[-300:]}"
+    return path, ""
+
+
+def plan(args, wav: Path, only: set[str]) -> tuple[list[Run], list[str]]:
+    """The runs to time, and a reason for each row left out."""
+    runs, skipped = [], []
+    threads = str(args.threads)
+    for model in args.models.split(","):
+        hf_dir, ct2_dir = REPO / "models" / model, Path(args.ct2_dir) / model
+        if "whisper-cli" in only:
+            for dtype in args.dtypes.split(","):
+                cmd = [sys.executable, "-m", "whisper_cli", "transcribe", str(wav)]
+                cmd += ["--model", str(hf_dir), "--dtype", dtype, "--batch-size", "16", "-q"]
+                cmd += ["--language", "en"] if model != "tiny.en" else []
+                runs.append(Run("whisper-cli", model, dtype, cmd))
+        if "transformers" in only:
+            for dtype in args.dtypes.split(","):
+                cmd = [sys.executable, "-c", TRANSFORMERS, str(hf_dir), dtype, str(wav)]
+                runs.append(Run("transformers", model, dtype, cmd))
+        for impl, code in (("fw-batched", FW_BATCHED), ("fw-sequential", FW_SEQUENTIAL)):
+            if impl not in only:
+                continue
+            if args.peer_python is None:
+                skipped.append(f"{impl} {model}: no --peer-python with faster-whisper")
+                continue
+            if not (ct2_dir / "model.bin").exists():
+                skipped.append(f"{impl} {model}: no CTranslate2 model in {ct2_dir}")
+                continue
+            # CTranslate2 has no bfloat16 compute on CPU: its types are int8 and f32 here.
+            for dtype in args.fw_types.split(","):
+                compute = {"int8": "int8", "f32": "float32"}[dtype]
+                cmd = [args.peer_python, "-c", code, str(ct2_dir), compute, str(wav), threads]
+                runs.append(Run(impl, model, dtype, cmd))
+        if "whisper.cpp" in only:
+            if args.peer_python is None:
+                skipped.append(f"whisper.cpp {model}: no --peer-python with pywhispercpp")
+                continue
+            ggml, why_not = ggml_file(hf_dir, model)
+            if ggml is None:
+                skipped.append(f"whisper.cpp {model}: {why_not}")
+                continue
+            cmd = [args.peer_python, "-c", WHISPER_CPP, str(ggml), str(wav), threads]
+            runs.append(Run("whisper.cpp", model, "f16", cmd))
+    return runs, skipped
+
+
+def verdicts(rows: list[dict], minutes: float) -> list[str]:
+    """The issue's targets, each met or not, for every model the run has a baseline for."""
+    lines = [
+        f"targets (issue 12; {TARGET_MINUTES} min of English, {TARGET_MODEL}, batch 16, "
+        f"whole process): whisper-cli bf16 <= {TARGET_RATIOS['bf16']}x and f32 <= "
+        f"{TARGET_RATIOS['f32']}x the time of fw-batched int8, WER <= {TARGET_WER}%"
+    ]
+    if minutes != TARGET_MINUTES:
+        lines.append(f"  (this run has {minutes:g} min of audio: indicative only)")
+    for r in rows:
+        if r["impl"] != "whisper-cli" or r["dtype"] not in TARGET_RATIOS:
+            continue
+        limit = TARGET_RATIOS[r["dtype"]]
+        if r["ratio"] is None:
+            lines.append(f"  {r['model']} {r['dtype']}: no fw-batched int8 row to compare with")
+            continue
+        speed = "met" if r["ratio"] <= limit else "NOT met"
+        accuracy = "met" if r["wer"] <= TARGET_WER else "NOT met"
+        lines.append(
+            f"  {r['model']} {r['dtype']}: {r['ratio']}x (<= {limit}x: {speed}), "
+            f"WER {r['wer']}% (<= {TARGET_WER}%: {accuracy})"
+        )
+    return lines
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--models", default="tiny.en,base")
-    parser.add_argument("--dtypes", default="f32,bf16")
-    parser.add_argument("--only", default="whisper-cli,transformers,fw-batched,fw-sequential")
-    parser.add_argument("--fw-python", default=None)
+    parser.add_argument("--models", default="tiny.en")
+    parser.add_argument("--dtypes", default="f32,bf16", help="whisper-cli's (and transformers')")
+    parser.add_argument("--fw-types", default="int8,f32", help="faster-whisper's compute types")
+    parser.add_argument(
+        "--only",
+        default="whisper-cli,fw-batched,fw-sequential,whisper.cpp",
+        help="rows to run, of whisper-cli,fw-batched,fw-sequential,whisper.cpp,transformers",
+    )
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--peer-python", "--fw-python", dest="peer_python", default=None)
+    parser.add_argument("--ct2-dir", default=str(REPO / ".cache" / "ct2"))
     args = parser.parse_args()
+    import torch
+
+    # This checkout's whisper_cli, whatever the Python has installed; the same threads for all.
+    paths = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": str(args.threads)}
+    header = [
+        f"CPU: {cpu_model()}; {args.threads} threads; torch {torch.__version__}",
+        *peer_versions(args.peer_python),
+    ]
+    for line in header:
+        print(line, flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         wav = Path(tmp) / "speech.wav"
         reference = build_speech(args.minutes, wav)
         seconds = sf.info(wav).duration
         print(f"audio: {seconds:.0f} s of real English speech", file=sys.stderr)
-        runs: list[tuple[tuple, list[str]]] = []
-        for model in args.models.split(","):
-            hf_dir, ct2_dir = REPO / "models" / model, REPO / ".cache" / "ct2" / model
-            for dtype in args.dtypes.split(","):
-                fw_type = {"f32": "float32", "bf16": "bfloat16"}[dtype]
-                commands = {
-                    "whisper-cli": [
-                        str(REPO / ".venv/bin/whisper-cli"),
-                        "transcribe",
-                        str(wav),
-                        "--model",
-                        str(hf_dir),
-                        "--dtype",
-                        dtype,
-                        "-q",
-                        *(["--language", "en"] if model != "tiny.en" else []),
-                    ],
-                    "transformers": [
-                        sys.executable,
-                        "-c",
-                        TRANSFORMERS,
-                        str(hf_dir),
-                        dtype,
-                        str(wav),
-                    ],
-                }
-                # CTranslate2 has no bfloat16 compute on CPU: faster-whisper runs f32 only.
-                if args.fw_python and dtype == "f32":
-                    commands["fw-batched"] = [
-                        args.fw_python,
-                        "-c",
-                        FW_BATCHED,
-                        str(ct2_dir),
-                        fw_type,
-                        str(wav),
-                    ]
-                    commands["fw-sequential"] = [
-                        args.fw_python,
-                        "-c",
-                        FW_SEQUENTIAL,
-                        str(ct2_dir),
-                        fw_type,
-                        str(wav),
-                    ]
-                for name, cmd in commands.items():
-                    if name in args.only.split(","):
-                        runs.append(((name, model, dtype), cmd))
+        runs, skipped = plan(args, wav, set(args.only.split(",")))
+        for reason in skipped:
+            print(f"left out: {reason}", flush=True)
         # Round-robin: repeat r of every run before repeat r + 1 of any, so that a slow
         # spell of a shared machine lands on all rows alike rather than on one.
-        walls: dict[tuple, list[float]] = {key: [] for key, _ in runs}
+        walls: dict[tuple, list[float]] = {run.key: [] for run in runs}
         texts: dict[tuple, str] = {}
         for _ in range(args.repeats):
-            for key, cmd in runs:
-                wall, texts[key] = timed(cmd)
-                walls[key].append(wall)
-                print(f"{key}: {wall:.1f} s", file=sys.stderr, flush=True)
-        for (name, model, dtype), _ in runs:
-            key = (name, model, dtype)
+            for run in runs:
+                wall, texts[run.key] = timed(run.cmd, env)
+                walls[run.key].append(wall)
+                print(f"{run.key}: {wall:.1f} s", file=sys.stderr, flush=True)
+        medians = {key: statistics.median(w) for key, w in walls.items()}
+        for run in runs:
+            base = medians.get((BASELINE[0], run.model, BASELINE[1]))
             row = {
-                "impl": name,
-                "model": model,
-                "dtype": dtype,
-                "wall_s": round(statistics.median(walls[key]), 1),
-                "walls": [round(w, 1) for w in walls[key]],
-                "rtfx": round(seconds / statistics.median(walls[key]), 1),
-                "wer": round(100 * wer(reference, texts[key]), 2),
-                "words": len(texts[key].split()),
+                "impl": run.impl,
+                "model": run.model,
+                "dtype": run.dtype,
+                "wall_s": round(medians[run.key], 1),
+                "walls": [round(w, 1) for w in walls[run.key]],
+                "ratio": round(medians[run.key] / base, 2) if base else None,
+                "rtfx": round(seconds / medians[run.key], 1),
+                "wer": round(100 * wer(reference, texts[run.key]), 2),
+                "words": len(texts[run.key].split()),
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
         print(f"reference words: {len(reference.split())}", file=sys.stderr)
-    print("| impl | model | dtype | wall s (median) | RTFx | WER % | words |")
-    print("|---|---|---|---|---|---|---|")
+    print()
+    print(f"{seconds:.0f} s of English; median of {args.repeats}; " + header[0])
+    print("| impl | model | dtype | wall s (median) | x fw-batched int8 | RTFx | WER % | words |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        ratio = "-" if r["ratio"] is None else r["ratio"]
         print(
-            f"| {r['impl']} | {r['model']} | {r['dtype']} | {r['wall_s']} | {r['rtfx']} "
-            f"| {r['wer']} | {r['words']} |"
+            f"| {r['impl']} | {r['model']} | {r['dtype']} | {r['wall_s']} | {ratio} "
+            f"| {r['rtfx']} | {r['wer']} | {r['words']} |"
         )
+    print()
+    for line in verdicts(rows, args.minutes):
+        print(line)
 
 
 if __name__ == "__main__":
