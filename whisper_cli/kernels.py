@@ -1,0 +1,416 @@
+"""Attention and the vocabulary projection, each run by the implementation that is
+fastest on this machine, chosen by measurement rather than by assumption.
+
+Why: which kernel is fastest depends on the CPU and the dtype, by factors of 3 to 20.
+Measured with torch 2.13, 2 threads (min of 3-5 runs; details in scripts/kernel_timings.py):
+
+* AMD EPYC Zen 4 (avx512_bf16, no AMX), issue 12: decode cross-attention (B 16, H 6,
+  1 query, 1500 keys, D 64) takes 3.0 ms per layer with `scaled_dot_product_attention`
+  in f32 but 9.8 ms in bf16, where plain matmul attention takes 2.0 ms; on the encoder
+  (1500 x 1500) SDPA runs at 127 GFLOP/s in bf16, below bf16 GEMMs (308).
+* AMD EPYC Zen 3 (AVX2, no native bf16), this repo's CI class: bf16 GEMMs are slow
+  (encoder matmul attention in bf16 1.3 s against SDPA's 55 ms), while decode
+  self-attention over 240 keys in bf16 takes 1.05 ms computed in f32 against SDPA's
+  3.4 ms, and a bf16 vocabulary projection at M 16, C 384 took 39 ms with the weight
+  upcast block by block against 92 ms as one bf16 GEMM.
+
+So each call picks, per (CPU model, torch version, threads, dtype, shape class, shape
+bucket), the fastest of a few implementations, timed once on synthetic tensors of that
+shape (a few calls each, min of 3) and remembered in memory and in a JSON file
+(`kernels_cache_path()`). On CUDA, and while torch.compile traces, the reference
+implementations run (SDPA, `hidden @ weight.T`) with no timing.
+
+Exactness: every implementation matches SDPA within its own error against a float64
+reference. Rounding attention scores to bf16 would not (7x SDPA's error with peaked
+scores), so for f16/bf16 inputs the scores q @ k^T and their softmax are computed in
+float32, as SDPA's CPU kernel does internally; results return in the input dtype.
+
+`WHISPER_CLI_KERNELS`: `auto` (default, measure), `reference` (SDPA and `@`, today's
+kernels), or a comma list of implementation names forced where they apply (the
+reference elsewhere); neither of the last two times or writes anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+Attention = Callable[[Tensor, Tensor, Tensor, "Tensor | None", bool], Tensor]
+Logits = Callable[[Tensor, Tensor], Tensor]
+
+# Query rows per block of "blocked" attention, and the most score bytes (f32) one block
+# of heads may hold: 4 MiB keeps a tile near the L2/L3 caches instead of the
+# (B, H, 1500, 1500) f32 score tensor of the whole encoder (864 MB at B 16, H 6).
+BLOCK_ROWS = 256
+TILE_BYTES = 4 << 20
+# Weight rows upcast per block by the "f32-blocks" vocabulary projection (a 2-5 MB buffer).
+LOGIT_BLOCK_ROWS = 1024
+# Queries at least this long are the encoder's shape class (the decoder has at most 448).
+ENCODER_ROWS = 512
+# Timing: most elements of one synthetic K tensor (the batch is cut to fit), calls per
+# candidate after one warm-up, and how much slower than the best a warm-up may be before
+# the candidate is dropped unmeasured further.
+TIMING_ELEMENTS = 1 << 24
+TIMING_REPS = 3
+TIMING_CUTOFF = 4.0
+CACHE_VERSION = 1
+
+
+# --- attention implementations ------------------------------------------------------
+# All take q (B, H, T, D), k and v (B, H, S, D), a bool mask broadcastable to
+# (B, H, T, S) (True = attend) or None, and causal (key j visible to query i when j <= i,
+# top-left aligned as in SDPA), and return (B, H, T, D) in q's dtype.
+
+
+def _sdpa(q, k, v, mask, causal):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+def _visible(mask, causal, rows: slice, t: int, s: int, device) -> torch.Tensor | None:
+    """The mask of query rows `rows` (..., rows, S), causal folded in; None: all visible."""
+    if mask is not None and mask.dim() >= 2 and mask.shape[-2] == t:
+        mask = mask[..., rows, :]
+    if causal:
+        r = torch.arange(rows.start, rows.stop, device=device)
+        tri = torch.arange(s, device=device) <= r[:, None]  # (rows, S)
+        mask = tri if mask is None else mask & tri
+    return mask
+
+
+def _attend_f32_scores(q, k, v, mask, pv_f32: bool) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v with scores and softmax in float32.
+
+    pv_f32: the weighted sum over v in float32 too (f16/bf16: for CPUs whose half
+    GEMMs are slow); otherwise the weights are rounded to v's dtype first, as SDPA does.
+    """
+    scores = (q.float() * q.shape[-1] ** -0.5) @ k.float().mT  # (B, H, T, S) f32
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    weights = scores.softmax(dim=-1)
+    if pv_f32:
+        return (weights @ v.float()).to(q.dtype)
+    return weights.to(v.dtype) @ v
+
+
+def _matmul(q, k, v, mask, causal, pv_f32: bool = False):
+    t, s = q.shape[-2], k.shape[-2]
+    return _attend_f32_scores(q, k, v, _visible(mask, causal, slice(0, t), t, s, q.device), pv_f32)
+
+
+def _blocked(q, k, v, mask, causal, pv_f32: bool = False):
+    """Matmul attention over tiles of (batch, heads, query rows), so that the f32 scores
+    of a tile stay small (TILE_BYTES) instead of the full (B, H, T, S) tensor."""
+    b, h, t, _ = q.shape
+    s = k.shape[-2]
+    rows = min(t, BLOCK_ROWS)
+    heads = max(1, min(h, TILE_BYTES // (rows * s * 4)))
+    # (B, T, H, D) storage seen as (B, H, T, D): the caller's merge of heads is a view.
+    out = q.new_empty((b, t, h, v.shape[-1])).transpose(1, 2)
+    for t0 in range(0, t, rows):
+        t1 = min(t, t0 + rows)
+        m = _visible(mask, causal, slice(t0, t1), t, s, q.device)
+        if m is not None:  # right-aligned broadcasting, made explicit: (B|1, H|1, rows, S)
+            m = m.reshape((1,) * (4 - m.dim()) + m.shape)
+        for b0 in range(b):
+            mb = m[b0 : b0 + 1] if m is not None and m.shape[0] == b else m
+            for h0 in range(0, h, heads):
+                hs = slice(h0, h0 + heads)
+                mh = mb[:, hs] if mb is not None and mb.shape[1] == h else mb
+                out[b0 : b0 + 1, hs, t0:t1] = _attend_f32_scores(
+                    q[b0 : b0 + 1, hs, t0:t1], k[b0 : b0 + 1, hs], v[b0 : b0 + 1, hs], mh, pv_f32
+                )
+    return out
+
+
+ATTENTION: dict[str, Attention] = {
+    # torch's fused kernel: the reference, and fastest for f32 on most CPUs measured.
+    "sdpa": _sdpa,
+    # Two GEMMs and a softmax: a bf16 GEMV at memory speed where SDPA's reduced-precision
+    # decode path is slow (Zen 4 cross-attention: 2.0 ms against 9.8 ms).
+    "matmul": _matmul,
+    # f16/bf16 computed in f32: CPUs without native half GEMMs (Zen 3 decode self-attention).
+    "matmul-f32": lambda q, k, v, mask, causal: _matmul(q, k, v, mask, causal, pv_f32=True),
+    # The encoder's long queries at GEMM speed without the full score tensor.
+    "blocked": _blocked,
+    "blocked-f32": lambda q, k, v, mask, causal: _blocked(q, k, v, mask, causal, pv_f32=True),
+}
+
+
+def attention_candidates(shape_class: str, dtype: torch.dtype) -> tuple[str, ...]:
+    """Implementations timed for a shape class ("decode", "prefill", "encoder")."""
+    half = dtype != torch.float32
+    if shape_class == "encoder":  # plain matmul would hold all (B, H, T, S) f32 scores
+        return ("sdpa", "blocked", "blocked-f32") if half else ("sdpa", "blocked")
+    return ("sdpa", "matmul", "matmul-f32") if half else ("sdpa", "matmul")
+
+
+# --- vocabulary projection implementations ------------------------------------------
+# (..., C) hidden states and the (V, C) tied embedding -> (..., V) in hidden's dtype.
+
+
+def _logits_f32_blocks(hidden, weight):
+    """The weight upcast LOGIT_BLOCK_ROWS rows at a time into one reused f32 buffer:
+    f32 GEMM speed on CPUs without native bf16 GEMMs, no f32 copy of the weight kept.
+    The result is rounded once, as a half GEMM (f32 accumulation) rounds its output."""
+    out = hidden.new_empty((*hidden.shape[:-1], weight.shape[0]))
+    h32 = hidden.float()
+    buf = torch.empty((min(LOGIT_BLOCK_ROWS, weight.shape[0]), weight.shape[1]))
+    for r0 in range(0, weight.shape[0], LOGIT_BLOCK_ROWS):
+        block = buf[: min(LOGIT_BLOCK_ROWS, weight.shape[0] - r0)]
+        block.copy_(weight[r0 : r0 + block.shape[0]])
+        out[..., r0 : r0 + block.shape[0]] = h32 @ block.T
+    return out
+
+
+LOGITS: dict[str, Logits] = {
+    "matmul": lambda hidden, weight: hidden @ weight.T,  # the reference
+    "linear": F.linear,  # the same GEMM through addmm's path; differs by CPU and M
+    "f32-blocks": _logits_f32_blocks,
+}
+
+
+def logits_candidates(dtype: torch.dtype) -> tuple[str, ...]:
+    half = dtype != torch.float32
+    return ("matmul", "linear", "f32-blocks") if half else ("matmul", "linear")
+
+
+# --- the public entry points ----------------------------------------------------------
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D), masked) v: (B, H, T, D) x (B, H, S, D) -> (B, H, T, D).
+
+    Same semantics as F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+    is_causal=causal) with a bool mask (True = attend); every query row must see a key.
+    """
+    if q.device.type != "cpu" or torch.compiler.is_compiling():
+        return _sdpa(q, k, v, mask, causal)
+    return ATTENTION[_selector().attention_choice(q, k, mask, causal)](q, k, v, mask, causal)
+
+
+def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(..., C) hidden states @ weight (V, C)^T -> (..., V), the tied vocabulary projection."""
+    if hidden.device.type != "cpu" or torch.compiler.is_compiling():
+        return hidden @ weight.T
+    return LOGITS[_selector().logits_choice(hidden, weight)](hidden, weight)
+
+
+def attention_class(t: int) -> str:
+    """The shape class of a query length: one decode step, a prompt, or the encoder."""
+    return "decode" if t == 1 else "encoder" if t >= ENCODER_ROWS else "prefill"
+
+
+def choices() -> dict[str, dict]:
+    """What was chosen in this process (and read from disk): key -> choice and timings."""
+    return dict(_selector().entries)
+
+
+def kernels_cache_path() -> Path:
+    """WHISPER_CLI_KERNELS_CACHE, else $XDG_CACHE_HOME/whisper-cli/kernels.json (~/.cache)."""
+    explicit = os.environ.get("WHISPER_CLI_KERNELS_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "whisper-cli" / "kernels.json"
+
+
+def reset() -> None:
+    """Forget the choices made in this process and reread the environment (tests)."""
+    global _SELECTOR
+    _SELECTOR = None
+
+
+# --- selection -------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _bucket(n: int) -> int:
+    """Lengths timed alike: 1 alone, then multiples of 64 (1500 -> 1536)."""
+    return 1 if n == 1 else 64 * math.ceil(n / 64)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _time_ms(fn: Callable[[], object], best: float) -> float:
+    """Min over TIMING_REPS calls after a warm-up; the warm-up alone if it is already
+    TIMING_CUTOFF times slower than `best` (that candidate has lost)."""
+    start = time.perf_counter()
+    fn()
+    elapsed = time.perf_counter() - start
+    if elapsed > TIMING_CUTOFF * best:
+        return elapsed * 1e3
+    least = math.inf
+    for _ in range(TIMING_REPS):
+        start = time.perf_counter()
+        fn()
+        least = min(least, time.perf_counter() - start)
+    return least * 1e3
+
+
+def _fastest(candidates: dict[str, Callable[[], object]]) -> tuple[str, dict[str, float]]:
+    times: dict[str, float] = {}
+    with torch.no_grad():
+        for name, fn in candidates.items():
+            times[name] = _time_ms(fn, min(times.values(), default=math.inf) / 1e3)
+    return min(times, key=times.__getitem__), times
+
+
+@dataclass
+class _Selector:
+    """Choices per key: in memory, read from and written to the JSON cache (mode auto)."""
+
+    mode: str  # "auto", "reference" or a comma list of forced implementation names
+    path: Path
+    entries: dict[str, dict]
+    memo: dict[tuple, str]
+
+    def attention_choice(self, q, k, mask, causal) -> str:
+        b, h, t, d = q.shape
+        s = k.shape[-2]
+        kind = "causal" if causal else "none" if mask is None else "mask"
+        key = ("attention", q.dtype, b, h, t, s, d, kind, torch.get_num_threads())
+        choice = self.memo.get(key)
+        if choice is None:
+            cls = attention_class(t)
+            shape = (_pow2(b), h, _bucket(t), _bucket(s), d)
+            name = "attention/{}/{}/B{}xH{}xT{}xS{}xD{}/{}".format(
+                _dtype_name(q.dtype), cls, *shape, kind
+            )
+            cands = attention_candidates(cls, q.dtype)
+            choice = self._choose(name, cands, lambda: _attention_runs(cands, shape, q, kind))
+            self.memo[key] = choice
+        return choice
+
+    def logits_choice(self, hidden, weight) -> str:
+        m = hidden.numel() // hidden.shape[-1]
+        v, c = weight.shape
+        key = ("logits", hidden.dtype, m, v, c, torch.get_num_threads())
+        choice = self.memo.get(key)
+        if choice is None:
+            shape = (_pow2(m), v, c)
+            name = "logits/{}/M{}xV{}xC{}".format(_dtype_name(hidden.dtype), *shape)
+            cands = logits_candidates(hidden.dtype)
+            choice = self._choose(name, cands, lambda: _logits_runs(cands, shape[0], weight))
+            self.memo[key] = choice
+        return choice
+
+    def _choose(self, name: str, cands: tuple[str, ...], runs) -> str:
+        if self.mode == "reference":
+            return cands[0]
+        if self.mode != "auto":
+            forced = [c for c in self.mode.split(",") if c in cands]
+            return forced[0] if forced else cands[0]
+        key = f"{_machine()}|threads={torch.get_num_threads()}|{name}"
+        entry = self.entries.get(key)
+        if entry is None or entry.get("choice") not in cands:
+            choice, times = _fastest(runs())
+            entry = {"choice": choice, "ms": {n: round(ms, 3) for n, ms in times.items()}}
+            self.entries[key] = entry
+            log.debug("kernel %s: %s (%s)", key, choice, entry["ms"])
+            self._write(key, entry)
+        return entry["choice"]
+
+    def _write(self, key: str, entry: dict) -> None:
+        """Merge into the file (others may have written since), atomically; a cache that
+        cannot be written costs a new timing next run, never the run."""
+        try:
+            on_disk = _read(self.path)
+            on_disk[key] = entry
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".kernels-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": CACHE_VERSION, "entries": on_disk}, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.debug("kernel choices not saved to %s: %s", self.path, exc)
+
+
+def _read(path: Path) -> dict[str, dict]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+        return {}
+    entries = data.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def _attention_runs(cands, shape, like: torch.Tensor, kind: str) -> dict[str, Callable[[], object]]:
+    """Calls of each candidate on random tensors of the bucket's shape, the batch cut so
+    one K tensor holds at most TIMING_ELEMENTS and the queries to two blocks (per-row
+    costs, not totals, are compared: an encoder timing takes 1/6 of a full call)."""
+    b, h, t, s, d = shape
+    b = max(1, min(b, TIMING_ELEMENTS // (h * s * d)))
+    t = min(t, 2 * BLOCK_ROWS)  # encoder: per-row costs of sdpa and blocked are flat in T
+    opts = {"dtype": like.dtype, "device": like.device}
+    q = torch.randn(b, t, h, d, **opts).transpose(1, 2)  # as split heads: (B, H, T, D) view
+    k, v = torch.randn(b, h, s, d, **opts), torch.randn(b, h, s, d, **opts)  # as the caches
+    mask = torch.ones(t, s, dtype=torch.bool, device=like.device) if kind == "mask" else None
+    causal = kind == "causal"
+    return {n: (lambda f=ATTENTION[n]: f(q, k, v, mask, causal)) for n in cands}
+
+
+def _logits_runs(cands, m: int, weight: Tensor) -> dict[str, Callable[[], object]]:
+    """Calls of each candidate on the real weight (no copy of it) and random hidden rows."""
+    hidden = torch.randn(m, 1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    return {n: (lambda f=LOGITS[n]: f(hidden, weight)) for n in cands}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}.get(
+        dtype, str(dtype).removeprefix("torch.")
+    )
+
+
+_MACHINE: str | None = None
+
+
+def _machine() -> str:
+    global _MACHINE
+    if _MACHINE is None:
+        _MACHINE = f"cpu={cpu_model()}|torch={torch.__version__}"
+    return _MACHINE
+
+
+_SELECTOR: _Selector | None = None
+
+
+def _selector() -> _Selector:
+    global _SELECTOR
+    if _SELECTOR is None:
+        mode = os.environ.get("WHISPER_CLI_KERNELS", "auto").strip() or "auto"
+        path = kernels_cache_path()
+        _SELECTOR = _Selector(mode, path, _read(path) if mode == "auto" else {}, {})
+    return _SELECTOR
