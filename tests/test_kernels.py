@@ -61,9 +61,9 @@ def check_attention(q, k, v, mask=None, causal=False, impls=None):
             assert err < 1e-5, (name, err)
             torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
         else:
-            # Measured: matmul/blocked 1.1-1.25x SDPA's error (weights rounded to the
-            # half dtype, as SDPA rounds them), the -f32 variants 0.8x.
-            assert err <= 1.5 * sdpa_err, (name, err, sdpa_err)
+            # Measured 0.8-1.0x SDPA's error (computed in f32, rounded once); the
+            # margin covers small outputs where both are a handful of roundings.
+            assert err <= 1.1 * sdpa_err, (name, err, sdpa_err)
 
 
 # (B, H, T, S, D): decode cross and self, a prompt, the encoder (T >= ENCODER_ROWS).
@@ -89,9 +89,20 @@ def test_blocked_tiles_queries_and_heads(dtype, monkeypatch):
     q, k, v = qkv(2, 3, 150, 150, 16, dtype)
     mask = torch.rand(2, 3, 150, 150, generator=torch.Generator().manual_seed(1)) > 0.4
     mask[..., 0] = True
-    check_attention(q, k, v, impls=["blocked", "blocked-f32"])
-    check_attention(q, k, v, mask=mask, impls=["blocked", "blocked-f32"])
-    check_attention(q, k, v, causal=True, impls=["blocked", "blocked-f32"])
+    check_attention(q, k, v, impls=["blocked"])
+    check_attention(q, k, v, mask=mask, impls=["blocked"])
+    check_attention(q, k, v, causal=True, impls=["blocked"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_blocked_tiles_batch_rows_at_decode(dtype, monkeypatch):
+    """One query: tiles of whole heads and 2 of the 5 batch rows (the last tile short)."""
+    b, h, s, d = 5, 2, 40, 16
+    per_head = 4 * s * (1 + (2 * d if dtype != torch.float32 else 0))  # scores (+ k, v in f32)
+    monkeypatch.setattr(kernels, "TILE_BYTES", per_head * h * 2)
+    mask = torch.arange(s) <= torch.tensor([30])[:, None]
+    check_attention(*qkv(b, h, 1, s, d, dtype), impls=["blocked"])
+    check_attention(*qkv(b, h, 1, s, d, dtype), mask=mask, impls=["blocked"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -170,7 +181,7 @@ def test_first_call_times_once_and_writes_the_cache(tmp_path, monkeypatch):
     assert not more
     assert "/bf16/decode/B2xH2xT1xS64xD16/none" in key
     assert f"threads={torch.get_num_threads()}" in key and kernels.cpu_model() in key
-    assert set(entry["ms"]) == {"sdpa", "matmul", "matmul-f32"}
+    assert set(entry["ms"]) == set(kernels.attention_candidates("decode", torch.bfloat16))
     assert entry["choice"] == min(entry["ms"], key=entry["ms"].get)
 
     # Same bucket (S 40 -> 64), in this process and in the next one: no new timing.
@@ -204,7 +215,7 @@ def test_logits_choice_is_timed_and_saved(tmp_path):
     torch.testing.assert_close(kernels.logits(hidden, weight), hidden @ weight.T)
     (key, entry), *_ = entries(tmp_path / "kernels.json").items()
     assert key.endswith("logits/f32/M16xV3000xC32")
-    assert set(entry["ms"]) == {"matmul", "linear"}
+    assert set(entry["ms"]) == {"matmul", "linear", "f32-blocks"}
 
 
 @pytest.mark.parametrize("content", [None, "{not json", '{"version": 0, "entries": {}}'])
@@ -238,7 +249,7 @@ def test_cache_path_follows_xdg(monkeypatch, tmp_path):
     ("mode", "f32", "bf16", "logits"),
     [
         ("reference", "sdpa", "sdpa", "matmul"),
-        ("matmul-f32", "sdpa", "matmul-f32", "matmul"),  # not an f32 candidate: reference
+        ("blocked", "blocked", "blocked", "matmul"),  # not a logits candidate: reference
         ("linear,matmul", "matmul", "matmul", "linear"),  # the first that applies
     ],
 )
@@ -246,13 +257,12 @@ def test_override_forces_kernels_without_timing(tmp_path, monkeypatch, mode, f32
     monkeypatch.setenv("WHISPER_CLI_KERNELS", mode)
     monkeypatch.setattr(kernels, "_fastest", no_timing)
     kernels.reset()
-    sel = kernels._selector()
     for dtype, want in ((torch.float32, f32), (torch.bfloat16, bf16)):
         q, k, _ = qkv(2, 2, 1, 40, 16, dtype)
-        assert sel.attention_choice(q, k, None, False) == want
+        assert kernels.attention_choice(q, k) == want
         out = kernels.attention(q, k, k)
         assert out.dtype == dtype
-    assert sel.logits_choice(torch.randn(4, 32), torch.randn(100, 32)) == logits
+    assert kernels.logits_choice(torch.randn(4, 32), torch.randn(100, 32)) == logits
     assert not (tmp_path / "kernels.json").exists()
 
 

@@ -91,71 +91,76 @@ def _visible(mask, causal, rows: slice, t: int, s: int, device) -> torch.Tensor 
     return mask
 
 
-def _attend_f32_scores(q, k, v, mask, pv_f32: bool) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D)) v with scores and softmax in float32.
+def _attend_f32(q, k, v, mask) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v computed in float32 (a no-op cast for f32 inputs), the
+    result rounded once to q's dtype.
 
-    pv_f32: the weighted sum over v in float32 too (f16/bf16: for CPUs whose half
-    GEMMs are slow); otherwise the weights are rounded to v's dtype first, as SDPA does.
+    f16/bf16: scores rounded to the half dtype have 7x SDPA's error against float64 with
+    peaked scores; weights rounded to it before a half GEMM over v (SDPA keeps its row
+    maximum exact) still have 1.05-1.4x. In float32 throughout: 0.75-1.0x SDPA's error.
     """
     scores = (q.float() * q.shape[-1] ** -0.5) @ k.float().mT  # (B, H, T, S) f32
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
-    weights = scores.softmax(dim=-1)
-    if pv_f32:
-        return (weights @ v.float()).to(q.dtype)
-    return weights.to(v.dtype) @ v
+    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
-def _matmul(q, k, v, mask, causal, pv_f32: bool = False):
+def _matmul(q, k, v, mask, causal):
     t, s = q.shape[-2], k.shape[-2]
-    return _attend_f32_scores(q, k, v, _visible(mask, causal, slice(0, t), t, s, q.device), pv_f32)
+    return _attend_f32(q, k, v, _visible(mask, causal, slice(0, t), t, s, q.device))
 
 
-def _blocked(q, k, v, mask, causal, pv_f32: bool = False):
-    """Matmul attention over tiles of (batch, heads, query rows), so that the f32 scores
-    of a tile stay small (TILE_BYTES) instead of the full (B, H, T, S) tensor."""
-    b, h, t, _ = q.shape
+def _blocked(q, k, v, mask, causal):
+    """Matmul attention over tiles of (batch, heads, query rows) whose f32 working set
+    (scores; for f16/bf16 also the upcast keys and values) stays within TILE_BYTES,
+    instead of the full (B, H, T, S) scores or a whole f32 copy of the cache."""
+    b, h, t, d = q.shape
     s = k.shape[-2]
     rows = min(t, BLOCK_ROWS)
-    heads = max(1, min(h, TILE_BYTES // (rows * s * 4)))
+    upcast = 2 * d if q.dtype != torch.float32 else 0
+    fit = max(1, TILE_BYTES // (4 * s * (rows + upcast)))  # (batch, head) pairs per tile
+    if fit >= h:  # whole heads, several batch rows
+        nb, nh = min(b, fit // h), h
+    else:  # one batch row, heads split evenly
+        nb, nh = 1, -(-h // -(-h // fit))
     # (B, T, H, D) storage seen as (B, H, T, D): the caller's merge of heads is a view.
     out = q.new_empty((b, t, h, v.shape[-1])).transpose(1, 2)
     for t0 in range(0, t, rows):
-        t1 = min(t, t0 + rows)
-        m = _visible(mask, causal, slice(t0, t1), t, s, q.device)
+        ts = slice(t0, min(t, t0 + rows))
+        m = _visible(mask, causal, ts, t, s, q.device)
         if m is not None:  # right-aligned broadcasting, made explicit: (B|1, H|1, rows, S)
             m = m.reshape((1,) * (4 - m.dim()) + m.shape)
-        for b0 in range(b):
-            mb = m[b0 : b0 + 1] if m is not None and m.shape[0] == b else m
-            for h0 in range(0, h, heads):
-                hs = slice(h0, h0 + heads)
-                mh = mb[:, hs] if mb is not None and mb.shape[1] == h else mb
-                out[b0 : b0 + 1, hs, t0:t1] = _attend_f32_scores(
-                    q[b0 : b0 + 1, hs, t0:t1], k[b0 : b0 + 1, hs], v[b0 : b0 + 1, hs], mh, pv_f32
-                )
+        for b0 in range(0, b, nb):
+            bs = slice(b0, b0 + nb)
+            for h0 in range(0, h, nh):
+                hs = slice(h0, h0 + nh)
+                mt = None
+                if m is not None:
+                    mt = m[
+                        bs if m.shape[0] == b else slice(None),
+                        hs if m.shape[1] == h else slice(None),
+                    ]
+                out[bs, hs, ts] = _attend_f32(q[bs, hs, ts], k[bs, hs], v[bs, hs], mt)
     return out
 
 
 ATTENTION: dict[str, Attention] = {
-    # torch's fused kernel: the reference, and fastest for f32 on most CPUs measured.
+    # torch's fused kernel: the reference, and the fastest for f32 where measured.
     "sdpa": _sdpa,
-    # Two GEMMs and a softmax: a bf16 GEMV at memory speed where SDPA's reduced-precision
-    # decode path is slow (Zen 4 cross-attention: 2.0 ms against 9.8 ms).
+    # Two GEMMs and a softmax in f32: where SDPA's f16/bf16 path is slow (Zen 3 decode
+    # self-attention over 240 keys in bf16: 1.05 ms against 3.4 ms).
     "matmul": _matmul,
-    # f16/bf16 computed in f32: CPUs without native half GEMMs (Zen 3 decode self-attention).
-    "matmul-f32": lambda q, k, v, mask, causal: _matmul(q, k, v, mask, causal, pv_f32=True),
-    # The encoder's long queries at GEMM speed without the full score tensor.
+    # The same in cache-sized tiles: the encoder's long queries without the full score
+    # tensor, and the bf16 decode caches upcast a tile at a time instead of whole.
     "blocked": _blocked,
-    "blocked-f32": lambda q, k, v, mask, causal: _blocked(q, k, v, mask, causal, pv_f32=True),
 }
 
 
 def attention_candidates(shape_class: str, dtype: torch.dtype) -> tuple[str, ...]:
     """Implementations timed for a shape class ("decode", "prefill", "encoder")."""
-    half = dtype != torch.float32
     if shape_class == "encoder":  # plain matmul would hold all (B, H, T, S) f32 scores
-        return ("sdpa", "blocked", "blocked-f32") if half else ("sdpa", "blocked")
-    return ("sdpa", "matmul", "matmul-f32") if half else ("sdpa", "matmul")
+        return ("sdpa", "blocked")
+    return ("sdpa", "matmul", "blocked")
 
 
 # --- vocabulary projection implementations ------------------------------------------
@@ -163,15 +168,20 @@ def attention_candidates(shape_class: str, dtype: torch.dtype) -> tuple[str, ...
 
 
 def _logits_f32_blocks(hidden, weight):
-    """The weight upcast LOGIT_BLOCK_ROWS rows at a time into one reused f32 buffer:
-    f32 GEMM speed on CPUs without native bf16 GEMMs, no f32 copy of the weight kept.
-    The result is rounded once, as a half GEMM (f32 accumulation) rounds its output."""
-    out = hidden.new_empty((*hidden.shape[:-1], weight.shape[0]))
+    """The projection LOGIT_BLOCK_ROWS vocabulary rows at a time, in f32. f16/bf16: each
+    block of the weight is upcast into one reused f32 buffer: f32 GEMM speed on CPUs
+    without native half GEMMs, no f32 copy of the weight kept, and the result rounded
+    once, as a half GEMM (f32 accumulation) rounds its output."""
+    v = weight.shape[0]
+    out = hidden.new_empty((*hidden.shape[:-1], v))
     h32 = hidden.float()
-    buf = torch.empty((min(LOGIT_BLOCK_ROWS, weight.shape[0]), weight.shape[1]))
-    for r0 in range(0, weight.shape[0], LOGIT_BLOCK_ROWS):
-        block = buf[: min(LOGIT_BLOCK_ROWS, weight.shape[0] - r0)]
-        block.copy_(weight[r0 : r0 + block.shape[0]])
+    buf = None
+    if weight.dtype != torch.float32:
+        buf = torch.empty((min(LOGIT_BLOCK_ROWS, v), weight.shape[1]), device=weight.device)
+    for r0 in range(0, v, LOGIT_BLOCK_ROWS):
+        block = weight[r0 : r0 + LOGIT_BLOCK_ROWS]
+        if buf is not None:
+            block = buf[: block.shape[0]].copy_(block)
         out[..., r0 : r0 + block.shape[0]] = h32 @ block.T
     return out
 
@@ -184,8 +194,7 @@ LOGITS: dict[str, Logits] = {
 
 
 def logits_candidates(dtype: torch.dtype) -> tuple[str, ...]:
-    half = dtype != torch.float32
-    return ("matmul", "linear", "f32-blocks") if half else ("matmul", "linear")
+    return ("matmul", "linear", "f32-blocks")
 
 
 # --- the public entry points ----------------------------------------------------------
@@ -205,14 +214,26 @@ def attention(
     """
     if q.device.type != "cpu" or torch.compiler.is_compiling():
         return _sdpa(q, k, v, mask, causal)
-    return ATTENTION[_selector().attention_choice(q, k, mask, causal)](q, k, v, mask, causal)
+    return ATTENTION[attention_choice(q, k, mask, causal)](q, k, v, mask, causal)
 
 
 def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """(..., C) hidden states @ weight (V, C)^T -> (..., V), the tied vocabulary projection."""
     if hidden.device.type != "cpu" or torch.compiler.is_compiling():
         return hidden @ weight.T
-    return LOGITS[_selector().logits_choice(hidden, weight)](hidden, weight)
+    return LOGITS[logits_choice(hidden, weight)](hidden, weight)
+
+
+def attention_choice(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = False
+) -> str:
+    """The implementation `attention` runs on CPU for these arguments (timing it if new)."""
+    return _selector().attention_choice(q, k, mask, causal)
+
+
+def logits_choice(hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    """The implementation `logits` runs on CPU for these arguments (timing it if new)."""
+    return _selector().logits_choice(hidden, weight)
 
 
 def attention_class(t: int) -> str:

@@ -1,0 +1,151 @@
+"""Per-kernel CPU timings at Whisper's real shapes, and what whisper_cli.kernels picks.
+
+    OMP_WAIT_POLICY=PASSIVE python scripts/kernel_timings.py [--models tiny.en,base,large-v3]
+        [--dtypes f32,bf16] [--only decode-cross,decode-self,encoder,logits] [--cache]
+
+For each model, dtype and kernel, every implementation is timed (one warm-up, min of
+--reps calls; a candidate whose warm-up is already 4x the best so far is shown with its
+warm-up time and a `*`), then the selector picks as a run would (its own short timing on
+a fresh cache file unless --cache, which uses and fills the real one). Shapes: decode
+cross-attention B 16 x 1 query x 1500 keys, decode self-attention over 240 cache slots,
+the encoder's self-attention 1500 x 1500 per window (B 1; a batch of 16 windows costs
+16x), the tied vocabulary projection at M 16 (one token of 16 rows), V 51865.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from whisper_cli import kernels
+
+# name: (d_model, heads); head dim 64 in all Whisper sizes.
+MODELS = {"tiny.en": (384, 6), "base": (512, 8), "small": (768, 12), "large-v3": (1280, 20)}
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+KERNELS = ("decode-cross", "decode-self", "encoder", "logits")
+VOCAB, BATCH, FRAMES, SELF_LEN, HEAD_DIM = 51865, 16, 1500, 240, 64
+
+
+def cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "?"
+    flags = next(
+        (ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []
+    )
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+    return " ".join(f for f in wanted if f in flags) or "none of avx2/avx512/amx"
+
+
+def time_ms(fn, reps: int, best_s: float) -> tuple[float, bool]:
+    """(ms, full): min of reps after a warm-up, or the warm-up alone when it is 4x best."""
+    start = time.perf_counter()
+    fn()
+    warm = time.perf_counter() - start
+    if warm > kernels.TIMING_CUTOFF * best_s:
+        return warm * 1e3, False
+    least = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        least = min(least, time.perf_counter() - start)
+    return least * 1e3, True
+
+
+def attention_case(kernel: str, heads: int, dtype: torch.dtype):
+    b, t, s = {
+        "decode-cross": (BATCH, 1, FRAMES),
+        "decode-self": (BATCH, 1, SELF_LEN),
+        "encoder": (1, FRAMES, FRAMES),
+    }[kernel]
+    q = torch.randn(b, t, heads, HEAD_DIM).transpose(1, 2).to(dtype)  # split heads' view
+    k = torch.randn(b, heads, s, HEAD_DIM).to(dtype)
+    v = torch.randn(b, heads, s, HEAD_DIM).to(dtype)
+    impls = {n: (lambda f=kernels.ATTENTION[n]: f(q, k, v, None, False)) for n in kernels.ATTENTION}
+    if kernel == "encoder":  # plain matmul holds every f32 score: not a candidate there
+        impls = {n: f for n, f in impls.items() if not n.startswith("matmul")}
+    flops = 4 * b * heads * t * s * HEAD_DIM
+    shape = f"B{b} H{heads} T{t} S{s}"
+    return impls, (lambda: kernels.attention_choice(q, k)), flops, shape, "sdpa"
+
+
+def logits_case(d_model: int, dtype: torch.dtype):
+    hidden = torch.randn(BATCH, 1, d_model).to(dtype)
+    weight = (torch.randn(VOCAB, d_model) * 0.05).to(dtype)
+    weight_t = weight.T.contiguous()  # costs a second copy of the table: informational
+    impls = {n: (lambda f=kernels.LOGITS[n]: f(hidden, weight)) for n in kernels.LOGITS}
+    impls["transposed-copy(info)"] = lambda: hidden @ weight_t
+    flops = 2 * BATCH * d_model * VOCAB
+    shape = f"M{BATCH} C{d_model} V{VOCAB}"
+    return impls, (lambda: kernels.logits_choice(hidden, weight)), flops, shape, "matmul"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", default="tiny.en,base,large-v3")
+    ap.add_argument("--dtypes", default="f32,bf16")
+    ap.add_argument("--only", default=",".join(KERNELS))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cache", action="store_true", help="use and fill the real kernels cache")
+    args = ap.parse_args(argv)
+    if not args.cache:
+        tmp = tempfile.mkdtemp(prefix="kernel-timings-")
+        os.environ["WHISPER_CLI_KERNELS_CACHE"] = str(Path(tmp) / "kernels.json")
+    os.environ.pop("WHISPER_CLI_KERNELS", None)
+    kernels.reset()
+
+    print(f"CPU: {kernels.cpu_model()} ({platform.machine()}; flags: {cpu_flags()})")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}, "
+        f"load average {os.getloadavg()[0]:.2f} at start"
+    )
+    print(f"selector cache: {kernels.kernels_cache_path()}\n")
+    print("| kernel | model | dtype | shape | ms per call | pick | ref/pick | GFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for model in args.models.split(","):
+            d_model, heads = MODELS[model]
+            for dname in args.dtypes.split(","):
+                dtype = DTYPES[dname]
+                for kernel in args.only.split(","):
+                    if kernel == "logits":
+                        case = logits_case(d_model, dtype)
+                    else:
+                        case = attention_case(kernel, heads, dtype)
+                    impls, choose, flops, shape, ref = case
+                    times: dict[str, tuple[float, bool]] = {}
+                    for name, fn in impls.items():
+                        best = min((ms for ms, _ in times.values()), default=math.inf)
+                        times[name] = time_ms(fn, args.reps, best / 1e3)
+                    pick = choose()
+                    cells = ", ".join(
+                        f"{n} {ms:.2f}{'' if full else '*'}" for n, (ms, full) in times.items()
+                    )
+                    best_ms = min(ms for ms, _ in times.values())
+                    print(
+                        f"| {kernel} | {model} | {dname} | {shape} | {cells} | {pick} | "
+                        f"{times[ref][0] / times[pick][0]:.2f} | {flops / best_ms / 1e6:.0f} |",
+                        flush=True,
+                    )
+    print(
+        f"\n{time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at end. "
+        "`*`: one warm-up call only (4x slower than the best already). ref/pick: the "
+        "reference's time (sdpa, `@`) over the pick's, in this table's own timing."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
