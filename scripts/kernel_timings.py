@@ -9,7 +9,8 @@ warm-up time and a `*`), then the selector picks as a run would (its own short t
 a fresh cache file unless --cache, which uses and fills the real one). Shapes: decode
 cross-attention B 16 x 1 query x 1500 keys, decode self-attention over 240 cache slots,
 the encoder's self-attention 1500 x 1500 per window (B 1; a batch of 16 windows costs
-16x), the tied vocabulary projection at M 16 (one token of 16 rows), V 51865.
+16x), the tied vocabulary projection at M 16 (one token of 16 rows), V 51865. The best
+rate is GFLOP/s for the encoder, GB/s of K and V (or of the table) read for the rest.
 """
 
 from __future__ import annotations
@@ -73,9 +74,12 @@ def attention_case(kernel: str, heads: int, dtype: torch.dtype):
     impls = {n: (lambda f=kernels.ATTENTION[n]: f(q, k, v, None, False)) for n in kernels.ATTENTION}
     if kernel == "encoder":  # plain matmul holds every f32 score: not a candidate there
         impls = {n: f for n, f in impls.items() if not n.startswith("matmul")}
-    flops = 4 * b * heads * t * s * HEAD_DIM
+    if kernel == "encoder":  # compute-bound: GFLOP/s
+        rate = (4 * b * heads * t * s * HEAD_DIM, "GFLOP/s")
+    else:  # one query: memory-bound, GB/s of keys and values read
+        rate = (2 * k.numel() * k.element_size(), "GB/s")
     shape = f"B{b} H{heads} T{t} S{s}"
-    return impls, (lambda: kernels.attention_choice(q, k)), flops, shape, "sdpa"
+    return impls, (lambda: kernels.attention_choice(q, k)), rate, shape, "sdpa"
 
 
 def logits_case(d_model: int, dtype: torch.dtype):
@@ -84,9 +88,23 @@ def logits_case(d_model: int, dtype: torch.dtype):
     weight_t = weight.T.contiguous()  # costs a second copy of the table: informational
     impls = {n: (lambda f=kernels.LOGITS[n]: f(hidden, weight)) for n in kernels.LOGITS}
     impls["transposed-copy(info)"] = lambda: hidden @ weight_t
-    flops = 2 * BATCH * d_model * VOCAB
+    rate = (weight.numel() * weight.element_size(), "GB/s")  # the table, read once
     shape = f"M{BATCH} C{d_model} V{VOCAB}"
-    return impls, (lambda: kernels.logits_choice(hidden, weight)), flops, shape, "matmul"
+    return impls, (lambda: kernels.logits_choice(hidden, weight)), rate, shape, "matmul"
+
+
+def row(case, reps: int) -> str:
+    """Time every implementation, ask the selector, and format the rest of a table row."""
+    impls, choose, (work, unit), shape, ref = case
+    times: dict[str, tuple[float, bool]] = {}
+    for name, fn in impls.items():
+        best = min((ms for ms, _ in times.values()), default=math.inf)
+        times[name] = time_ms(fn, reps, best / 1e3)
+    pick = choose()
+    cells = ", ".join(f"{n} {ms:.2f}{'' if full else '*'}" for n, (ms, full) in times.items())
+    best_ms = min(ms for ms, _ in times.values())
+    speedup = times[ref][0] / times[pick][0]
+    return f"{shape} | {cells} | {pick} | {speedup:.2f} | {work / best_ms / 1e6:.1f} {unit} |"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,34 +129,19 @@ def main(argv: list[str] | None = None) -> int:
         f"load average {os.getloadavg()[0]:.2f} at start"
     )
     print(f"selector cache: {kernels.kernels_cache_path()}\n")
-    print("| kernel | model | dtype | shape | ms per call | pick | ref/pick | GFLOP/s |")
+    print("| kernel | model | dtype | shape | ms per call | pick | ref/pick | best rate |")
     print("|---|---|---|---|---|---|---|---|")
     started = time.perf_counter()
     with torch.inference_mode():
         for model in args.models.split(","):
             d_model, heads = MODELS[model]
             for dname in args.dtypes.split(","):
-                dtype = DTYPES[dname]
                 for kernel in args.only.split(","):
                     if kernel == "logits":
-                        case = logits_case(d_model, dtype)
+                        case = logits_case(d_model, DTYPES[dname])
                     else:
-                        case = attention_case(kernel, heads, dtype)
-                    impls, choose, flops, shape, ref = case
-                    times: dict[str, tuple[float, bool]] = {}
-                    for name, fn in impls.items():
-                        best = min((ms for ms, _ in times.values()), default=math.inf)
-                        times[name] = time_ms(fn, args.reps, best / 1e3)
-                    pick = choose()
-                    cells = ", ".join(
-                        f"{n} {ms:.2f}{'' if full else '*'}" for n, (ms, full) in times.items()
-                    )
-                    best_ms = min(ms for ms, _ in times.values())
-                    print(
-                        f"| {kernel} | {model} | {dname} | {shape} | {cells} | {pick} | "
-                        f"{times[ref][0] / times[pick][0]:.2f} | {flops / best_ms / 1e6:.0f} |",
-                        flush=True,
-                    )
+                        case = attention_case(kernel, heads, DTYPES[dname])
+                    print(f"| {kernel} | {model} | {dname} | {row(case, args.reps)}", flush=True)
     print(
         f"\n{time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at end. "
         "`*`: one warm-up call only (4x slower than the best already). ref/pick: the "

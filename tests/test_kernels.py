@@ -85,7 +85,7 @@ def test_each_attention_matches_float64_and_sdpa(shape, dtype):
 def test_blocked_tiles_queries_and_heads(dtype, monkeypatch):
     """Several query blocks (the last one short) and several head tiles, with a mask."""
     monkeypatch.setattr(kernels, "BLOCK_ROWS", 64)
-    monkeypatch.setattr(kernels, "TILE_BYTES", 64 * 150 * 4)  # one head per tile
+    monkeypatch.setattr(kernels, "SCORE_TILE_BYTES", 64 * 150 * 4)  # one head per tile
     q, k, v = qkv(2, 3, 150, 150, 16, dtype)
     mask = torch.rand(2, 3, 150, 150, generator=torch.Generator().manual_seed(1)) > 0.4
     mask[..., 0] = True
@@ -98,8 +98,8 @@ def test_blocked_tiles_queries_and_heads(dtype, monkeypatch):
 def test_blocked_tiles_batch_rows_at_decode(dtype, monkeypatch):
     """One query: tiles of whole heads and 2 of the 5 batch rows (the last tile short)."""
     b, h, s, d = 5, 2, 40, 16
-    per_head = 4 * s * (1 + (2 * d if dtype != torch.float32 else 0))  # scores (+ k, v in f32)
-    monkeypatch.setattr(kernels, "TILE_BYTES", per_head * h * 2)
+    monkeypatch.setattr(kernels, "SCORE_TILE_BYTES", 4 * s * h * 2)  # f32 scores
+    monkeypatch.setattr(kernels, "UPCAST_TILE_BYTES", 4 * s * 2 * d * h * 2)  # bf16 k, v
     mask = torch.arange(s) <= torch.tensor([30])[:, None]
     check_attention(*qkv(b, h, 1, s, d, dtype), impls=["blocked"])
     check_attention(*qkv(b, h, 1, s, d, dtype), mask=mask, impls=["blocked"])

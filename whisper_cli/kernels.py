@@ -52,11 +52,15 @@ Tensor = torch.Tensor
 Attention = Callable[[Tensor, Tensor, Tensor, "Tensor | None", bool], Tensor]
 Logits = Callable[[Tensor, Tensor], Tensor]
 
-# Query rows per block of "blocked" attention, and the most score bytes (f32) one block
-# of heads may hold: 4 MiB keeps a tile near the L2/L3 caches instead of the
-# (B, H, 1500, 1500) f32 score tensor of the whole encoder (864 MB at B 16, H 6).
+# Query rows per block of "blocked" attention, and the most bytes one tile of (batch,
+# head) pairs may hold in f32 scores, and in f32 copies of f16/bf16 keys and values.
+# Measured on Zen 3 (2 threads): the encoder's tiles are fastest with scores of 1-2 MiB
+# (71 ms per window, 80 at 4 MiB); bf16 decode cross-attention with 16 MiB upcasts
+# (7.9 ms; 11.5 at 4, 16.0 at 1), where a whole f32 copy of the cache (37 MB, past
+# glibc's 32 MiB mmap threshold, so page-faulted in on every call) took 91 ms.
 BLOCK_ROWS = 256
-TILE_BYTES = 4 << 20
+SCORE_TILE_BYTES = 2 << 20
+UPCAST_TILE_BYTES = 16 << 20
 # Weight rows upcast per block by the "f32-blocks" vocabulary projection (a 2-5 MB buffer).
 LOGIT_BLOCK_ROWS = 1024
 # Queries at least this long are the encoder's shape class (the decoder has at most 448).
@@ -111,14 +115,16 @@ def _matmul(q, k, v, mask, causal):
 
 
 def _blocked(q, k, v, mask, causal):
-    """Matmul attention over tiles of (batch, heads, query rows) whose f32 working set
-    (scores; for f16/bf16 also the upcast keys and values) stays within TILE_BYTES,
-    instead of the full (B, H, T, S) scores or a whole f32 copy of the cache."""
+    """Matmul attention over tiles of (batch, heads, query rows) whose f32 scores and
+    f32 copies of f16/bf16 keys and values stay within SCORE_TILE_BYTES and
+    UPCAST_TILE_BYTES, instead of the full (B, H, T, S) scores or an f32 copy of the cache."""
     b, h, t, d = q.shape
     s = k.shape[-2]
     rows = min(t, BLOCK_ROWS)
-    upcast = 2 * d if q.dtype != torch.float32 else 0
-    fit = max(1, TILE_BYTES // (4 * s * (rows + upcast)))  # (batch, head) pairs per tile
+    fit = SCORE_TILE_BYTES // (4 * s * rows)  # (batch, head) pairs per tile
+    if q.dtype != torch.float32:
+        fit = min(fit, UPCAST_TILE_BYTES // (4 * s * 2 * d))
+    fit = max(1, fit)
     if fit >= h:  # whole heads, several batch rows
         nb, nh = min(b, fit // h), h
     else:  # one batch row, heads split evenly
