@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -182,7 +183,9 @@ def test_first_call_times_once_and_writes_the_cache(tmp_path, monkeypatch):
     assert "/bf16/decode/B2xH2xT1xS64xD16/none" in key
     assert f"threads={torch.get_num_threads()}" in key and kernels.cpu_model() in key
     assert set(entry["ms"]) == set(kernels.attention_candidates("decode", torch.bfloat16))
-    assert entry["choice"] == min(entry["ms"], key=entry["ms"].get)
+    ms = entry["ms"]
+    fastest = min(ms, key=ms.get)
+    assert entry["choice"] == (fastest if ms[fastest] < 0.95 * ms["sdpa"] else "sdpa")
 
     # Same bucket (S 40 -> 64), in this process and in the next one: no new timing.
     monkeypatch.setattr(kernels, "_fastest", no_timing)
@@ -190,6 +193,25 @@ def test_first_call_times_once_and_writes_the_cache(tmp_path, monkeypatch):
     kernels.reset()
     kernels.attention(q, k, v)
     assert kernels.choices() == saved
+
+
+def test_fastest_needs_a_margin_over_the_reference_and_drops_clear_losers():
+    calls = {"ref": 0, "slow": 0}
+
+    def sleeper(name, seconds):
+        def run():
+            calls[name] = calls.get(name, 0) + 1
+            time.sleep(seconds)
+
+        return run
+
+    ref, slow, fast = sleeper("ref", 0.004), sleeper("slow", 0.05), sleeper("fast", 0.0005)
+    choice, ms = kernels._fastest({"ref": ref, "slow": slow, "fast": fast})
+    assert choice == "fast" and set(ms) == {"ref", "slow", "fast"}
+    assert calls["slow"] == 1  # its warm-up was 4x the best: not timed further
+    assert calls["ref"] >= 1 + kernels.TIMING_REPS
+    near = sleeper("near", 0.0039)  # 2.5% faster: not worth leaving the reference
+    assert kernels._fastest({"ref": ref, "near": near})[0] == "ref"
 
 
 def test_a_choice_read_from_disk_is_used(tmp_path, monkeypatch):
