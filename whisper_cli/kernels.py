@@ -312,9 +312,24 @@ def _time_ms(fn: Callable[[], object], best: float) -> float:
     return least * 1e3
 
 
+def _warm_allocator() -> None:
+    """Time kernels in the allocator state of a real run, not of a fresh process.
+
+    glibc serves blocks above its mmap threshold (128 KiB at start) with fresh, page-
+    faulted mappings, and raises the threshold (to at most 32 MiB) when such a block is
+    freed, as happens in any run once weights are loaded. Before that, every tile of
+    "blocked" attention is page-faulted in: bf16 decode cross-attention measured 48 ms
+    in a fresh process against 6.5-10 ms after one 30 MB block was freed (SDPA 10-13 ms
+    either way), so a timing in a fresh process would choose, and save, the wrong kernel.
+    Allocating and freeing one such block here gives every process the warm state.
+    """
+    torch.empty(30 << 18).fill_(0)  # 30 MiB, touched, freed
+
+
 def _fastest(candidates: dict[str, Callable[[], object]]) -> tuple[str, dict[str, float]]:
     """The fastest candidate and every one's ms; the first (the reference) wins ties."""
     times: dict[str, float] = {}
+    _warm_allocator()
     with torch.no_grad():
         for name, fn in candidates.items():
             times[name] = _time_ms(fn, min(times.values(), default=math.inf) / 1e3)
