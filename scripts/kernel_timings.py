@@ -3,20 +3,21 @@
     OMP_WAIT_POLICY=PASSIVE python scripts/kernel_timings.py [--models tiny.en,base,large-v3]
         [--dtypes f32,bf16] [--only decode-cross,decode-self,encoder,logits] [--cache]
 
-For each model, dtype and kernel, every implementation is timed (one warm-up, min of
---reps calls; a candidate whose warm-up is already 4x the best so far is shown with its
-warm-up time and a `*`), then the selector picks as a run would (its own short timing on
-a fresh cache file unless --cache, which uses and fills the real one). Shapes: decode
-cross-attention B 16 x 1 query x 1500 keys, decode self-attention over 240 cache slots,
-the encoder's self-attention 1500 x 1500 per window (B 1; a batch of 16 windows costs
-16x), the tied vocabulary projection at M 16 (one token of 16 rows), V 51865. The best
-rate is GFLOP/s for the encoder, GB/s of K and V (or of the table) read for the rest.
+For each model, dtype and kernel, every implementation is timed by the selector's own
+protocol (kernels.time_candidates: one warm-up each, then calls in turn for at least
+--reps rounds, min per implementation; one whose warm-up is 4x the best warm-up is shown
+with that time and a `*`), then the selector picks as a run would (its own timing at the
+shape bucket, on a fresh cache file unless --cache, which uses and fills the real one).
+Shapes: decode cross-attention B 16 x 1 query x 1500 keys, decode self-attention over
+240 cache slots, the encoder's self-attention 1500 x 1500 per window (B 1; a batch of 16
+windows costs 16x), the tied vocabulary projection at M 16 (one token of 16 rows),
+V 51865. The best rate is GFLOP/s for the encoder, GB/s of K and V (or of the table)
+read for the rest.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import platform
 import sys
@@ -45,21 +46,6 @@ def cpu_flags() -> str:
     )
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
     return " ".join(f for f in wanted if f in flags) or "none of avx2/avx512/amx"
-
-
-def time_ms(fn, reps: int, best_s: float) -> tuple[float, bool]:
-    """(ms, full): min of reps after a warm-up, or the warm-up alone when it is 4x best."""
-    start = time.perf_counter()
-    fn()
-    warm = time.perf_counter() - start
-    if warm > kernels.TIMING_CUTOFF * best_s:
-        return warm * 1e3, False
-    least = math.inf
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        least = min(least, time.perf_counter() - start)
-    return least * 1e3, True
 
 
 def attention_case(kernel: str, heads: int, dtype: torch.dtype):
@@ -96,10 +82,8 @@ def logits_case(d_model: int, dtype: torch.dtype):
 def row(case, reps: int) -> str:
     """Time every implementation, ask the selector, and format the rest of a table row."""
     impls, choose, (work, unit), shape, ref = case
-    times: dict[str, tuple[float, bool]] = {}
-    for name, fn in impls.items():
-        best = min((ms for ms, _ in times.values()), default=math.inf)
-        times[name] = time_ms(fn, reps, best / 1e3)
+    kernels.TIMING_REPS = reps
+    times = kernels.time_candidates(impls)
     pick = choose()
     cells = ", ".join(f"{n} {ms:.2f}{'' if full else '*'}" for n, (ms, full) in times.items())
     best_ms = min(ms for ms, _ in times.values())
@@ -144,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"| {kernel} | {model} | {dname} | {row(case, args.reps)}", flush=True)
     print(
         f"\n{time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at end. "
-        "`*`: one warm-up call only (4x slower than the best already). ref/pick: the "
+        "`*`: one warm-up call only (4x slower than the best warm-up). ref/pick: the "
         "reference's time (sdpa, `@`) over the pick's, in this table's own timing."
     )
     return 0
