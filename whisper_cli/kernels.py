@@ -199,15 +199,26 @@ def _logits_f32_blocks(hidden, weight):
     return out
 
 
+def _logits_weight_first(hidden, weight):
+    """(V, C) @ (C, M), then transposed to (M, V) contiguous: BLAS streams the tall
+    weight with 16 columns better than 16 rows against its transpose (Zen 3 f32, C 1280:
+    77 ms against 190)."""
+    rows = hidden.reshape(-1, hidden.shape[-1])  # (M, C)
+    out = (weight @ rows.T).T.contiguous()  # (M, V)
+    return out.view(*hidden.shape[:-1], weight.shape[0])
+
+
 LOGITS: dict[str, Logits] = {
     "matmul": lambda hidden, weight: hidden @ weight.T,  # the reference
     "linear": F.linear,  # the same GEMM through addmm's path; differs by CPU and M
+    "weight-first": _logits_weight_first,
     "f32-blocks": _logits_f32_blocks,
 }
 
 
 def logits_candidates(dtype: torch.dtype) -> tuple[str, ...]:
-    return ("matmul", "linear", "f32-blocks")
+    """Implementations timed for the projection: all of them, in every dtype."""
+    return tuple(LOGITS)
 
 
 # --- the public entry points ----------------------------------------------------------
