@@ -1,29 +1,31 @@
 """Attention and the vocabulary projection, each run by the implementation that is
 fastest on this machine, chosen by measurement rather than by assumption.
 
-Why: which kernel is fastest depends on the CPU and the dtype, by factors of 3 to 20.
-Measured with torch 2.13, 2 threads (min of 3-5 runs; details in scripts/kernel_timings.py):
+Why: which kernel is fastest depends on the CPU and the dtype, by factors of 2 to 3.
+Measured with torch 2.13, 2 threads (ms per call, scripts/kernel_timings.py):
 
 * AMD EPYC Zen 4 (avx512_bf16, no AMX), issue 12: decode cross-attention (B 16, H 6,
   1 query, 1500 keys, D 64) takes 3.0 ms per layer with `scaled_dot_product_attention`
-  in f32 but 9.8 ms in bf16, where plain matmul attention takes 2.0 ms; on the encoder
-  (1500 x 1500) SDPA runs at 127 GFLOP/s in bf16, below bf16 GEMMs (308).
-* AMD EPYC Zen 3 (AVX2, no native bf16), this repo's CI class: bf16 GEMMs are slow
-  (encoder matmul attention in bf16 1.3 s against SDPA's 55 ms), while decode
-  self-attention over 240 keys in bf16 takes 1.05 ms computed in f32 against SDPA's
-  3.4 ms, and a bf16 vocabulary projection at M 16, C 384 took 39 ms with the weight
-  upcast block by block against 92 ms as one bf16 GEMM.
+  in f32 but 9.8 ms in bf16 (2.0 ms as bf16 matmuls, scores rounded to bf16: not exact
+  enough, see below); on the encoder (1500 x 1500) SDPA runs at 127 GFLOP/s in bf16,
+  below bf16 GEMMs (308); the f32 vocabulary projection at M 16 at 53 GFLOP/s.
+* AMD EPYC Zen 3 (AVX2 only; 2 vCPUs, shared, load ~2), tiny.en / large-v3 shapes:
+  bf16 decode cross-attention SDPA 21.7 / 70.7, "blocked" 11.7 / 28.0; bf16 decode
+  self-attention over 240 slots SDPA 3.2 / 13.2, "blocked" 1.1 / 8.6; the vocabulary
+  projection (M 16, V 51865) in f32 `hidden @ weight.T` 46 / 184, "weight-first" 23 / 96,
+  in bf16 75 / 117 against "f32-blocks" 25 / 55. SDPA stays fastest for f32 attention
+  and for the encoder in both dtypes (54-60 GFLOP/s; "blocked" 74-78 ms against 54-61).
 
 So each call picks, per (CPU model, torch version, threads, dtype, shape class, shape
 bucket), the fastest of a few implementations, timed once on synthetic tensors of that
-shape (a few calls each, min of 3) and remembered in memory and in a JSON file
-(`kernels_cache_path()`). On CUDA, and while torch.compile traces, the reference
-implementations run (SDPA, `hidden @ weight.T`) with no timing.
+shape (interleaved rounds, fastest call of each, `time_candidates`) and remembered in
+memory and in a JSON file (`kernels_cache_path()`). On CUDA, and while torch.compile
+traces, the reference implementations run (SDPA, `hidden @ weight.T`), with no timing.
 
-Exactness: every implementation matches SDPA within its own error against a float64
-reference. Rounding attention scores to bf16 would not (7x SDPA's error with peaked
-scores), so for f16/bf16 inputs the scores q @ k^T and their softmax are computed in
-float32, as SDPA's CPU kernel does internally; results return in the input dtype.
+Exactness: every implementation is as close to a float64 reference as SDPA or closer.
+Rounding attention scores to bf16 is not (7x SDPA's error with peaked scores), so for
+f16/bf16 inputs matmul attention runs in float32, as SDPA's CPU kernel computes its
+scores and sums internally, and its result is rounded once to the input dtype.
 
 `WHISPER_CLI_KERNELS`: `auto` (default, measure), `reference` (SDPA and `@`, today's
 kernels), or a comma list of implementation names forced where they apply (the
