@@ -234,6 +234,30 @@ def test_a_choice_read_from_disk_is_used(tmp_path, monkeypatch):
     assert calls == [other]
 
 
+def test_a_malformed_entry_is_timed_again(tmp_path):
+    q, k, v = qkv(2, 2, 1, 40, 16, torch.float32)
+    kernels.attention(q, k, v)
+    path = tmp_path / "kernels.json"
+    key = next(iter(entries(path)))
+    path.write_text(json.dumps({"version": kernels.CACHE_VERSION, "entries": {key: "x"}}))
+    kernels.reset()
+    kernels.attention(q, k, v)
+    assert entries(path)[key]["choice"] in kernels.attention_candidates("decode", q.dtype)
+
+
+def test_thread_count_is_part_of_the_key(tmp_path):
+    threads = torch.get_num_threads()
+    q, k, v = qkv(2, 2, 1, 40, 16, torch.float16)
+    try:
+        kernels.attention(q, k, v)
+        torch.set_num_threads(1 if threads > 1 else 2)
+        kernels.attention(q, k, v)
+    finally:
+        torch.set_num_threads(threads)
+    saved = entries(tmp_path / "kernels.json")
+    assert len(saved) == 2 and all("/f16/decode/" in key for key in saved)
+
+
 def test_logits_choice_is_timed_and_saved(tmp_path):
     hidden, weight = torch.randn(16, 1, 32), torch.randn(3000, 32)
     torch.testing.assert_close(kernels.logits(hidden, weight), hidden @ weight.T)
@@ -242,7 +266,10 @@ def test_logits_choice_is_timed_and_saved(tmp_path):
     assert set(entry["ms"]) == set(kernels.LOGITS)
 
 
-@pytest.mark.parametrize("content", [None, "{not json", '{"version": 0, "entries": {}}'])
+@pytest.mark.parametrize(
+    "content",
+    [None, "{not json", '{"version": 0, "entries": {}}', '{"version": 1, "entries": []}'],
+)
 def test_unwritable_or_bad_cache_never_fails_the_run(tmp_path, monkeypatch, content):
     if content is None:  # a directory that cannot exist: its parent is a file
         (tmp_path / "file").write_text("")

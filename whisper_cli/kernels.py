@@ -402,7 +402,7 @@ class _Selector:
             return forced[0] if forced else cands[0]
         key = f"{_machine()}|threads={torch.get_num_threads()}|{name}"
         entry = self.entries.get(key)
-        if entry is None or entry.get("choice") not in cands:
+        if not isinstance(entry, dict) or entry.get("choice") not in cands:
             choice, times = _fastest(runs())
             entry = {"choice": choice, "ms": {n: round(ms, 3) for n, ms in times.items()}}
             self.entries[key] = entry
@@ -413,6 +413,7 @@ class _Selector:
     def _write(self, key: str, entry: dict) -> None:
         """Merge into the file (others may have written since), atomically; a cache that
         cannot be written costs a new timing next run, never the run."""
+        tmp = None
         try:
             on_disk = _read(self.path)
             on_disk[key] = entry
@@ -423,6 +424,8 @@ class _Selector:
             os.replace(tmp, self.path)
         except OSError as exc:
             log.debug("kernel choices not saved to %s: %s", self.path, exc)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
 
 
 def _read(path: Path) -> dict[str, dict]:
