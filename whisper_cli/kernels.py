@@ -440,12 +440,13 @@ def _read(path: Path) -> dict[str, dict]:
 
 
 def _attention_runs(cands, shape, like: torch.Tensor, kind: str) -> dict[str, Callable[[], object]]:
-    """Calls of each candidate on random tensors of the bucket's shape, the batch cut so
-    one K tensor holds at most TIMING_ELEMENTS and the queries to two blocks (per-row
-    costs, not totals, are compared: an encoder timing takes 1/6 of a full call)."""
+    """Calls of each candidate on random tensors of the bucket's shape, the queries cut to
+    two blocks and the batch so that one K tensor, and the scores, hold at most
+    TIMING_ELEMENTS (per-row costs, not totals, are compared: timing the encoder of a
+    batch of 16 windows costs about one window's encoder attention per candidate)."""
     b, h, t, s, d = shape
-    b = max(1, min(b, TIMING_ELEMENTS // (h * s * d)))
     t = min(t, 2 * BLOCK_ROWS)  # encoder: per-row costs of sdpa and blocked are flat in T
+    b = max(1, min(b, TIMING_ELEMENTS // (h * s * max(d, t))))
     opts = {"dtype": like.dtype, "device": like.device}
     q = torch.randn(b, t, h, d, **opts).transpose(1, 2)  # as split heads: (B, H, T, D) view
     k, v = torch.randn(b, h, s, d, **opts), torch.randn(b, h, s, d, **opts)  # as the caches
