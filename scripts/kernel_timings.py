@@ -1,0 +1,138 @@
+"""Per-kernel CPU timings at Whisper's real shapes, and what whisper_cli.kernels picks.
+
+    OMP_WAIT_POLICY=PASSIVE python scripts/kernel_timings.py [--models tiny.en,base,large-v3]
+        [--dtypes f32,bf16] [--only decode-cross,decode-self,encoder,logits] [--cache]
+
+For each model, dtype and kernel, every implementation is timed by the selector's own
+protocol (kernels.time_candidates: one warm-up each, then calls in turn for at least
+--reps rounds, min per implementation; one whose warm-up is 4x the best warm-up is shown
+with that time and a `*`), then the selector picks as a run would (its own timing at the
+shape bucket, on a fresh cache file unless --cache, which uses and fills the real one).
+Shapes: decode cross-attention B 16 x 1 query x 1500 keys, decode self-attention over
+240 cache slots, the encoder's self-attention 1500 x 1500 per window (B 1; a batch of 16
+windows costs 16x), the tied vocabulary projection at M 16 (one token of 16 rows),
+V 51865. The best rate is GFLOP/s for the encoder, GB/s of K and V (or of the table)
+read for the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from whisper_cli import kernels
+
+# name: (d_model, heads); head dim 64 in all Whisper sizes.
+MODELS = {"tiny.en": (384, 6), "base": (512, 8), "small": (768, 12), "large-v3": (1280, 20)}
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+KERNELS = ("decode-cross", "decode-self", "encoder", "logits")
+VOCAB, BATCH, FRAMES, SELF_LEN, HEAD_DIM = 51865, 16, 1500, 240, 64
+
+
+def cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "?"
+    flags = next(
+        (ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []
+    )
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+    return " ".join(f for f in wanted if f in flags) or "none of avx2/avx512/amx"
+
+
+def attention_case(kernel: str, heads: int, dtype: torch.dtype):
+    b, t, s = {
+        "decode-cross": (BATCH, 1, FRAMES),
+        "decode-self": (BATCH, 1, SELF_LEN),
+        "encoder": (1, FRAMES, FRAMES),
+    }[kernel]
+    q = torch.randn(b, t, heads, HEAD_DIM).transpose(1, 2).to(dtype)  # split heads' view
+    k = torch.randn(b, heads, s, HEAD_DIM).to(dtype)
+    v = torch.randn(b, heads, s, HEAD_DIM).to(dtype)
+    impls = {n: (lambda f=kernels.ATTENTION[n]: f(q, k, v, None, False)) for n in kernels.ATTENTION}
+    if kernel == "encoder":  # plain matmul holds every f32 score: not a candidate there
+        impls = {n: f for n, f in impls.items() if not n.startswith("matmul")}
+    if kernel == "encoder":  # compute-bound: GFLOP/s
+        rate = (4 * b * heads * t * s * HEAD_DIM, "GFLOP/s")
+    else:  # one query: memory-bound, GB/s of keys and values read
+        rate = (2 * k.numel() * k.element_size(), "GB/s")
+    shape = f"B{b} H{heads} T{t} S{s}"
+    return impls, (lambda: kernels.attention_choice(q, k)), rate, shape, "sdpa"
+
+
+def logits_case(d_model: int, dtype: torch.dtype):
+    hidden = torch.randn(BATCH, 1, d_model).to(dtype)
+    weight = (torch.randn(VOCAB, d_model) * 0.05).to(dtype)
+    weight_t = weight.T.contiguous()  # costs a second copy of the table: informational
+    impls = {n: (lambda f=kernels.LOGITS[n]: f(hidden, weight)) for n in kernels.LOGITS}
+    impls["transposed-copy(info)"] = lambda: hidden @ weight_t
+    rate = (weight.numel() * weight.element_size(), "GB/s")  # the table, read once
+    shape = f"M{BATCH} C{d_model} V{VOCAB}"
+    return impls, (lambda: kernels.logits_choice(hidden, weight)), rate, shape, "matmul"
+
+
+def row(case, reps: int) -> str:
+    """Time every implementation, ask the selector, and format the rest of a table row."""
+    impls, choose, (work, unit), shape, ref = case
+    kernels.TIMING_REPS = reps
+    times = kernels.time_candidates(impls)
+    pick = choose()
+    cells = ", ".join(f"{n} {ms:.2f}{'' if full else '*'}" for n, (ms, full) in times.items())
+    best_ms = min(ms for ms, _ in times.values())
+    speedup = times[ref][0] / times[pick][0]
+    return f"{shape} | {cells} | {pick} | {speedup:.2f} | {work / best_ms / 1e6:.1f} {unit} |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", default="tiny.en,base,large-v3")
+    ap.add_argument("--dtypes", default="f32,bf16")
+    ap.add_argument("--only", default=",".join(KERNELS))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cache", action="store_true", help="use and fill the real kernels cache")
+    args = ap.parse_args(argv)
+    if not args.cache:
+        tmp = tempfile.mkdtemp(prefix="kernel-timings-")
+        os.environ["WHISPER_CLI_KERNELS_CACHE"] = str(Path(tmp) / "kernels.json")
+    os.environ.pop("WHISPER_CLI_KERNELS", None)
+    kernels.reset()
+
+    print(f"CPU: {kernels.cpu_model()} ({platform.machine()}; flags: {cpu_flags()})")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}, "
+        f"load average {os.getloadavg()[0]:.2f} at start"
+    )
+    print(f"selector cache: {kernels.kernels_cache_path()}\n")
+    print("| kernel | model | dtype | shape | ms per call | pick | ref/pick | best rate |")
+    print("|---|---|---|---|---|---|---|---|")
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for model in args.models.split(","):
+            d_model, heads = MODELS[model]
+            for dname in args.dtypes.split(","):
+                for kernel in args.only.split(","):
+                    if kernel == "logits":
+                        case = logits_case(d_model, DTYPES[dname])
+                    else:
+                        case = attention_case(kernel, heads, DTYPES[dname])
+                    print(f"| {kernel} | {model} | {dname} | {row(case, args.reps)}", flush=True)
+    print(
+        f"\n{time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at end. "
+        "`*`: one warm-up call only (4x slower than the best warm-up). ref/pick: the "
+        "reference's time (sdpa, `@`) over the pick's, in this table's own timing."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""The measured kernels: every implementation against a float64 reference and SDPA, and
+the selection (timing once, the JSON cache, the override, nothing timed while compiling)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from whisper_cli import kernels
+
+HALF = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def fresh_selector(tmp_path, monkeypatch):
+    """Each test: its own cache file, the environment reread, nothing remembered."""
+    monkeypatch.setenv("WHISPER_CLI_KERNELS_CACHE", str(tmp_path / "kernels.json"))
+    monkeypatch.delenv("WHISPER_CLI_KERNELS", raising=False)
+    kernels.reset()
+    yield
+    kernels.reset()
+
+
+def no_timing(*_args, **_kwargs):
+    raise AssertionError("a kernel was timed")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def qkv(b, h, t, s, d, dtype, sharp=3.0, seed=0):
+    """q as split heads give it (a (B, T, H, D) view), k and v as the caches hold them.
+    sharp scales the scores (std ~3) so the softmax is peaked, as trained attention is."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, t, h, d, generator=g) * sharp).transpose(1, 2)
+    k, v = torch.randn(b, h, s, d, generator=g), torch.randn(b, h, s, d, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def reference(q, k, v, mask, causal):
+    return F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask, is_causal=causal
+    )
+
+
+def check_attention(q, k, v, mask=None, causal=False, impls=None):
+    """Each implementation's error against float64 is SDPA's order or below (f32: 1e-5)."""
+    ref = reference(q, k, v, mask, causal)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    sdpa_err = rel_err(sdpa, ref)
+    for name in impls or kernels.ATTENTION:
+        out = kernels.ATTENTION[name](q, k, v, mask, causal)
+        assert out.dtype == q.dtype and out.shape == q.shape, name
+        err = rel_err(out, ref)
+        if q.dtype == torch.float32:
+            assert err < 1e-5, (name, err)
+            torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
+        else:
+            # Measured 0.8-1.0x SDPA's error (computed in f32, rounded once); the
+            # margin covers small outputs where both are a handful of roundings.
+            assert err <= 1.1 * sdpa_err, (name, err, sdpa_err)
+
+
+# (B, H, T, S, D): decode cross and self, a prompt, the encoder (T >= ENCODER_ROWS).
+SHAPES = {
+    "decode-cross": (3, 2, 1, 150, 16),
+    "decode-self": (3, 2, 1, 24, 16),
+    "prefill": (3, 2, 5, 5, 16),
+    "encoder": (1, 3, 520, 520, 16),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_each_attention_matches_float64_and_sdpa(shape, dtype):
+    check_attention(*qkv(*shape, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_blocked_tiles_queries_and_heads(dtype, monkeypatch):
+    """Several query blocks (the last one short) and several head tiles, with a mask."""
+    monkeypatch.setattr(kernels, "BLOCK_ROWS", 64)
+    monkeypatch.setattr(kernels, "SCORE_TILE_BYTES", 64 * 150 * 4)  # one head per tile
+    q, k, v = qkv(2, 3, 150, 150, 16, dtype)
+    mask = torch.rand(2, 3, 150, 150, generator=torch.Generator().manual_seed(1)) > 0.4
+    mask[..., 0] = True
+    check_attention(q, k, v, impls=["blocked"])
+    check_attention(q, k, v, mask=mask, impls=["blocked"])
+    check_attention(q, k, v, causal=True, impls=["blocked"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_blocked_tiles_batch_rows_at_decode(dtype, monkeypatch):
+    """One query: tiles of whole heads and 2 of the 5 batch rows (the last tile short)."""
+    b, h, s, d = 5, 2, 40, 16
+    monkeypatch.setattr(kernels, "SCORE_TILE_BYTES", 4 * s * h * 2)  # f32 scores
+    monkeypatch.setattr(kernels, "UPCAST_TILE_BYTES", 4 * s * 2 * d * h * 2)  # bf16 k, v
+    mask = torch.arange(s) <= torch.tensor([30])[:, None]
+    check_attention(*qkv(b, h, 1, s, d, dtype), impls=["blocked"])
+    check_attention(*qkv(b, h, 1, s, d, dtype), mask=mask, impls=["blocked"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_real_size_decode_cross_attention(dtype):
+    """tiny's decode cross-attention as it runs: B 16, H 6, one query, 1500 keys, D 64."""
+    check_attention(
+        *qkv(16, 6, 1, 1500, 64, dtype), impls=kernels.attention_candidates("decode", dtype)
+    )
+
+
+@pytest.mark.parametrize(
+    "mask_shape", [(7, 9), (3, 1, 7, 9), (3, 2, 7, 9), (1, 9)], ids=lambda s: "x".join(map(str, s))
+)
+def test_bool_masks_broadcast_as_in_sdpa(mask_shape):
+    q, k, v = qkv(3, 2, 7, 9, 16, torch.float32)
+    mask = torch.rand(mask_shape, generator=torch.Generator().manual_seed(2)) > 0.5
+    mask[..., 0] = True  # every query sees a key
+    check_attention(q, k, v, mask=mask)
+
+
+def test_causal_is_top_left_aligned_as_in_sdpa():
+    """is_causal with T < S: query i sees keys 0..i (SDPA's convention), T == S the usual."""
+    check_attention(*qkv(2, 2, 4, 9, 16, torch.float32), causal=True)
+    check_attention(*qkv(2, 2, 6, 6, 16, torch.float32), causal=True)
+
+
+def test_static_cache_mask_of_the_decode_step():
+    """The fixed-shape step: position p sees cache slots 0..p of the whole cache."""
+    cache_len, positions = 32, torch.tensor([11])
+    mask = torch.arange(cache_len) <= positions[:, None]  # (T, L)
+    check_attention(*qkv(4, 2, 1, cache_len, 16, torch.bfloat16), mask=mask)
+
+
+@pytest.mark.parametrize("lead", [(16, 1), (3, 5), (7,)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_each_logits_matches_float64(dtype, lead):
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(*lead, 64, generator=g).to(dtype)
+    weight = torch.randn(kernels.LOGIT_BLOCK_ROWS * 2 + 77, 64, generator=g).to(dtype)
+    ref = hidden.double() @ weight.double().T
+    plain = hidden @ weight.T
+    for name in kernels.LOGITS:
+        out = kernels.LOGITS[name](hidden, weight)
+        assert out.dtype == dtype and out.shape == (*lead, weight.shape[0]), name
+        assert out.is_contiguous(), name  # log-softmax and argmax run over V
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
+        else:
+            assert rel_err(out, ref) <= 1.5 * rel_err(plain, ref), name
+
+
+def test_f32_blocks_logits_at_real_size():
+    """tiny's vocabulary projection: M 16, C 384, V 51865 in bf16, one rounding."""
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(16, 1, 384, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(51865, 384, generator=g) * 0.05).to(torch.bfloat16)
+    ref = hidden.double() @ weight.double().T
+    exact = ref.to(torch.bfloat16)  # the correctly rounded result
+    out = kernels.LOGITS["f32-blocks"](hidden, weight)
+    assert (out != exact).float().mean() < 0.01  # f32 sums differ from f64 in a few ties
+    assert rel_err(out, ref) <= rel_err(hidden @ weight.T, ref) * 1.01
+
+
+# --- selection ---------------------------------------------------------------------
+
+
+def entries(path) -> dict:
+    return json.loads(path.read_text())["entries"]
+
+
+def test_first_call_times_once_and_writes_the_cache(tmp_path, monkeypatch):
+    q, k, v = qkv(2, 2, 1, 40, 16, torch.bfloat16)
+    want = F.scaled_dot_product_attention(q, k, v)
+    out = kernels.attention(q, k, v)
+    assert rel_err(out, want.double()) < 1e-2
+    saved = entries(tmp_path / "kernels.json")
+    (key, entry), *more = saved.items()
+    assert not more
+    assert "/bf16/decode/B2xH2xT1xS64xD16/none" in key
+    assert f"threads={torch.get_num_threads()}" in key and kernels.cpu_model() in key
+    assert set(entry["ms"]) == set(kernels.attention_candidates("decode", torch.bfloat16))
+    ms = entry["ms"]
+    fastest = min(ms, key=ms.get)
+    assert entry["choice"] == (fastest if ms[fastest] < 0.95 * ms["sdpa"] else "sdpa")
+
+    # Same bucket (S 40 -> 64), in this process and in the next one: no new timing.
+    monkeypatch.setattr(kernels, "_fastest", no_timing)
+    kernels.attention(*qkv(2, 2, 1, 50, 16, torch.bfloat16))
+    kernels.reset()
+    kernels.attention(q, k, v)
+    assert kernels.choices() == saved
+
+
+def test_fastest_needs_a_margin_over_the_reference_and_drops_clear_losers():
+    calls = {"ref": 0, "slow": 0}
+
+    def sleeper(name, seconds):
+        def run():
+            calls[name] = calls.get(name, 0) + 1
+            time.sleep(seconds)
+
+        return run
+
+    ref, slow, fast = sleeper("ref", 0.004), sleeper("slow", 0.05), sleeper("fast", 0.002)
+    choice, ms = kernels._fastest({"ref": ref, "slow": slow, "fast": fast})
+    assert choice == "fast" and set(ms) == {"ref", "slow", "fast"}
+    assert calls["slow"] == 1  # its warm-up was 4x the best one: not timed further
+    assert calls["ref"] >= 1 + kernels.TIMING_REPS
+    near = sleeper("near", 0.0039)  # 2.5% faster: not worth leaving the reference
+    assert kernels._fastest({"ref": ref, "near": near})[0] == "ref"
+
+
+def test_a_choice_read_from_disk_is_used(tmp_path, monkeypatch):
+    """The file decides (here: a forged choice), so a run repeats the measured kernels."""
+    q, k, v = qkv(2, 2, 1, 40, 16, torch.float32)
+    kernels.attention(q, k, v)
+    path = tmp_path / "kernels.json"
+    saved = entries(path)
+    key = next(iter(saved))
+    other = "matmul" if saved[key]["choice"] == "sdpa" else "sdpa"
+    saved[key]["choice"] = other
+    path.write_text(json.dumps({"version": kernels.CACHE_VERSION, "entries": saved}))
+    kernels.reset()
+    monkeypatch.setattr(kernels, "_fastest", no_timing)
+    calls = []
+    monkeypatch.setitem(kernels.ATTENTION, other, lambda *a: calls.append(other) or a[0])
+    kernels.attention(q, k, v)
+    assert calls == [other]
+
+
+def test_a_malformed_entry_is_timed_again(tmp_path):
+    q, k, v = qkv(2, 2, 1, 40, 16, torch.float32)
+    kernels.attention(q, k, v)
+    path = tmp_path / "kernels.json"
+    key = next(iter(entries(path)))
+    path.write_text(json.dumps({"version": kernels.CACHE_VERSION, "entries": {key: "x"}}))
+    kernels.reset()
+    kernels.attention(q, k, v)
+    assert entries(path)[key]["choice"] in kernels.attention_candidates("decode", q.dtype)
+
+
+def test_thread_count_is_part_of_the_key(tmp_path):
+    threads = torch.get_num_threads()
+    q, k, v = qkv(2, 2, 1, 40, 16, torch.float16)
+    try:
+        kernels.attention(q, k, v)
+        torch.set_num_threads(1 if threads > 1 else 2)
+        kernels.attention(q, k, v)
+    finally:
+        torch.set_num_threads(threads)
+    saved = entries(tmp_path / "kernels.json")
+    assert len(saved) == 2 and all("/f16/decode/" in key for key in saved)
+
+
+def test_logits_choice_is_timed_and_saved(tmp_path):
+    hidden, weight = torch.randn(16, 1, 32), torch.randn(3000, 32)
+    torch.testing.assert_close(kernels.logits(hidden, weight), hidden @ weight.T)
+    (key, entry), *_ = entries(tmp_path / "kernels.json").items()
+    assert key.endswith("logits/f32/M16xV3000xC32")
+    assert set(entry["ms"]) == set(kernels.LOGITS)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [None, "{not json", '{"version": 0, "entries": {}}', '{"version": 1, "entries": []}'],
+)
+def test_unwritable_or_bad_cache_never_fails_the_run(tmp_path, monkeypatch, content):
+    if content is None:  # a directory that cannot exist: its parent is a file
+        (tmp_path / "file").write_text("")
+        path = tmp_path / "file" / "kernels.json"
+    else:
+        path = tmp_path / "bad.json"
+        path.write_text(content)
+    monkeypatch.setenv("WHISPER_CLI_KERNELS_CACHE", str(path))
+    kernels.reset()
+    q, k, v = qkv(2, 2, 1, 40, 16, torch.float32)
+    torch.testing.assert_close(kernels.attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    assert len(kernels.choices()) == 1  # measured and kept in memory all the same
+    if content is not None:  # a bad file is replaced by a good one
+        assert len(entries(path)) == 1
+
+
+def test_cache_path_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("WHISPER_CLI_KERNELS_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert kernels.kernels_cache_path() == tmp_path / "whisper-cli" / "kernels.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert kernels.kernels_cache_path() == (
+        kernels.Path.home() / ".cache" / "whisper-cli" / "kernels.json"
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "f32", "bf16", "logits"),
+    [
+        ("reference", "sdpa", "sdpa", "matmul"),
+        ("blocked", "blocked", "blocked", "matmul"),  # not a logits candidate: reference
+        ("linear,matmul", "matmul", "matmul", "linear"),  # the first that applies
+    ],
+)
+def test_override_forces_kernels_without_timing(tmp_path, monkeypatch, mode, f32, bf16, logits):
+    monkeypatch.setenv("WHISPER_CLI_KERNELS", mode)
+    monkeypatch.setattr(kernels, "_fastest", no_timing)
+    kernels.reset()
+    for dtype, want in ((torch.float32, f32), (torch.bfloat16, bf16)):
+        q, k, _ = qkv(2, 2, 1, 40, 16, dtype)
+        assert kernels.attention_choice(q, k) == want
+        out = kernels.attention(q, k, k)
+        assert out.dtype == dtype
+    assert kernels.logits_choice(torch.randn(4, 32), torch.randn(100, 32)) == logits
+    assert not (tmp_path / "kernels.json").exists()
+
+
+def test_no_timing_while_compiling(monkeypatch):
+    """Under a torch.compile trace: the reference kernels, one graph, nothing timed."""
+    monkeypatch.setattr(kernels, "_fastest", no_timing)
+    q, k, v = qkv(2, 2, 1, 40, 16, torch.float32)
+    weight = torch.randn(100, 32)
+
+    def step(q, k, v, hidden):
+        return kernels.attention(q, k, v), kernels.logits(hidden, weight)
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    hidden = torch.randn(2, 1, 32)
+    y, z = compiled(q, k, v, hidden)
+    torch.testing.assert_close(y, F.scaled_dot_product_attention(q, k, v))
+    torch.testing.assert_close(z, hidden @ weight.T)
+    assert kernels.choices() == {}
+
+
+def test_inference_mode_and_no_grad(tmp_path):
+    """Timing and every implementation run under inference mode and under no_grad."""
+    for ctx in (torch.inference_mode, torch.no_grad):
+        kernels.reset()
+        with ctx():
+            for shape in SHAPES.values():
+                q, k, v = qkv(*shape, torch.bfloat16)
+                assert kernels.attention(q, k, v).dtype == torch.bfloat16
+            kernels.logits(torch.randn(16, 1, 32), torch.randn(500, 32))
+    assert len(entries(tmp_path / "kernels.json")) == len(SHAPES) + 1
+
+
+def test_cpu_model_is_named():
+    assert kernels.cpu_model().strip()
+    assert os.environ["WHISPER_CLI_KERNELS_CACHE"]

@@ -1,0 +1,489 @@
+"""Attention and the vocabulary projection, each run by the implementation that is
+fastest on this machine, chosen by measurement rather than by assumption.
+
+Why: which kernel is fastest depends on the CPU and the dtype, by factors of 2 to 3.
+Measured with torch 2.13, 2 threads (ms per call, scripts/kernel_timings.py):
+
+* AMD EPYC Zen 4 (avx512_bf16, no AMX), issue 12: decode cross-attention (B 16, H 6,
+  1 query, 1500 keys, D 64) takes 3.0 ms per layer with `scaled_dot_product_attention`
+  in f32 but 9.8 ms in bf16 (2.0 ms as bf16 matmuls, scores rounded to bf16: not exact
+  enough, see below); on the encoder (1500 x 1500) SDPA runs at 127 GFLOP/s in bf16,
+  below bf16 GEMMs (308); the f32 vocabulary projection at M 16 at 53 GFLOP/s.
+* AMD EPYC Zen 3 (AVX2 only; 2 vCPUs, shared, load ~2), tiny.en / large-v3 shapes:
+  bf16 decode cross-attention SDPA 21.7 / 70.7, "blocked" 11.7 / 28.0; bf16 decode
+  self-attention over 240 slots SDPA 3.2 / 13.2, "blocked" 1.1 / 8.6; the vocabulary
+  projection (M 16, V 51865) in f32 `hidden @ weight.T` 46 / 184, "weight-first" 23 / 96,
+  in bf16 75 / 117 against "f32-blocks" 25 / 55. SDPA stays fastest for f32 attention
+  and for the encoder in both dtypes (54-60 GFLOP/s; "blocked" 74-78 ms against 54-61).
+
+So each call picks, per (CPU model, torch version, threads, dtype, shape class, shape
+bucket), the fastest of a few implementations, timed once on synthetic tensors of that
+shape (interleaved rounds, fastest call of each, `time_candidates`) and remembered in
+memory and in a JSON file (`kernels_cache_path()`). On CUDA, and while torch.compile
+traces, the reference implementations run (SDPA, `hidden @ weight.T`), with no timing.
+
+Exactness: every implementation is as close to a float64 reference as SDPA or closer.
+Rounding attention scores to bf16 is not (7x SDPA's error with peaked scores), so for
+f16/bf16 inputs matmul attention runs in float32, as SDPA's CPU kernel computes its
+scores and sums internally, and its result is rounded once to the input dtype.
+
+`WHISPER_CLI_KERNELS`: `auto` (default, measure), `reference` (SDPA and `@`, today's
+kernels), or a comma list of implementation names forced where they apply (the
+reference elsewhere); neither of the last two times or writes anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+Attention = Callable[[Tensor, Tensor, Tensor, "Tensor | None", bool], Tensor]
+Logits = Callable[[Tensor, Tensor], Tensor]
+
+# Query rows per block of "blocked" attention, and the most bytes one tile of (batch,
+# head) pairs may hold in f32 scores, and in f32 copies of f16/bf16 keys and values.
+# Measured on Zen 3 (2 threads): the encoder's tiles are fastest with scores of 1-2 MiB
+# (71 ms per window, 80 at 4 MiB); bf16 decode cross-attention with 16 MiB upcasts
+# (7.9 ms; 11.5 at 4, 16.0 at 1), where a whole f32 copy of the cache (37 MB, past
+# glibc's 32 MiB mmap threshold, so page-faulted in on every call) took 91 ms.
+BLOCK_ROWS = 256
+SCORE_TILE_BYTES = 2 << 20
+UPCAST_TILE_BYTES = 16 << 20
+# Weight rows upcast per block by the "f32-blocks" vocabulary projection (a 2-5 MB buffer).
+LOGIT_BLOCK_ROWS = 1024
+# Queries at least this long are the encoder's shape class (the decoder has at most 448).
+ENCODER_ROWS = 512
+# Timing: most elements of one synthetic K tensor (the batch is cut to fit). Each
+# candidate is warmed up once (one TIMING_CUTOFF times slower than the best warm-up is
+# dropped there), then the rest are called in turn, round after round (a load burst on a
+# shared machine then hits all of them alike), for at least TIMING_REPS rounds and
+# TIMING_MIN_S, at most TIMING_MAX_REPS; each keeps its fastest call. Another
+# implementation replaces the reference only when TIMING_MARGIN faster (a tie keeps the
+# reference, and a repeated timing does not flip between near-equals).
+TIMING_ELEMENTS = 1 << 24
+TIMING_REPS = 3
+TIMING_MAX_REPS = 20
+TIMING_MIN_S = 0.05
+TIMING_CUTOFF = 4.0
+TIMING_MARGIN = 0.95
+CACHE_VERSION = 1
+
+
+# --- attention implementations ------------------------------------------------------
+# All take q (B, H, T, D), k and v (B, H, S, D), a bool mask broadcastable to
+# (B, H, T, S) (True = attend) or None, and causal (key j visible to query i when j <= i,
+# top-left aligned as in SDPA), and return (B, H, T, D) in q's dtype.
+
+
+def _sdpa(q, k, v, mask, causal):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+def _visible(mask, causal, rows: slice, t: int, s: int, device) -> torch.Tensor | None:
+    """The mask of query rows `rows` (..., rows, S), causal folded in; None: all visible."""
+    if mask is not None and mask.dim() >= 2 and mask.shape[-2] == t:
+        mask = mask[..., rows, :]
+    if causal:
+        r = torch.arange(rows.start, rows.stop, device=device)
+        tri = torch.arange(s, device=device) <= r[:, None]  # (rows, S)
+        mask = tri if mask is None else mask & tri
+    return mask
+
+
+def _attend_f32(q, k, v, mask) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v computed in float32 (a no-op cast for f32 inputs), the
+    result rounded once to q's dtype.
+
+    f16/bf16: scores rounded to the half dtype have 7x SDPA's error against float64 with
+    peaked scores; weights rounded to it before a half GEMM over v (SDPA keeps its row
+    maximum exact) still have 1.05-1.4x. In float32 throughout: 0.75-1.0x SDPA's error.
+    """
+    scores = (q.float() * q.shape[-1] ** -0.5) @ k.float().mT  # (B, H, T, S) f32
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
+
+
+def _matmul(q, k, v, mask, causal):
+    t, s = q.shape[-2], k.shape[-2]
+    return _attend_f32(q, k, v, _visible(mask, causal, slice(0, t), t, s, q.device))
+
+
+def _blocked(q, k, v, mask, causal):
+    """Matmul attention over tiles of (batch, heads, query rows) whose f32 scores and
+    f32 copies of f16/bf16 keys and values stay within SCORE_TILE_BYTES and
+    UPCAST_TILE_BYTES, instead of the full (B, H, T, S) scores or an f32 copy of the cache."""
+    b, h, t, d = q.shape
+    s = k.shape[-2]
+    rows = min(t, BLOCK_ROWS)
+    fit = SCORE_TILE_BYTES // (4 * s * rows)  # (batch, head) pairs per tile
+    if q.dtype != torch.float32:
+        fit = min(fit, UPCAST_TILE_BYTES // (4 * s * 2 * d))
+    fit = max(1, fit)
+    if fit >= h:  # whole heads, several batch rows
+        nb, nh = min(b, fit // h), h
+    else:  # one batch row, heads split evenly
+        nb, nh = 1, -(-h // -(-h // fit))
+    # (B, T, H, D) storage seen as (B, H, T, D): the caller's merge of heads is a view.
+    out = q.new_empty((b, t, h, v.shape[-1])).transpose(1, 2)
+    for t0 in range(0, t, rows):
+        ts = slice(t0, min(t, t0 + rows))
+        m = _visible(mask, causal, ts, t, s, q.device)
+        if m is not None:  # right-aligned broadcasting, made explicit: (B|1, H|1, rows, S)
+            m = m.reshape((1,) * (4 - m.dim()) + m.shape)
+        for b0 in range(0, b, nb):
+            bs = slice(b0, b0 + nb)
+            for h0 in range(0, h, nh):
+                hs = slice(h0, h0 + nh)
+                mt = None
+                if m is not None:
+                    mt = m[
+                        bs if m.shape[0] == b else slice(None),
+                        hs if m.shape[1] == h else slice(None),
+                    ]
+                out[bs, hs, ts] = _attend_f32(q[bs, hs, ts], k[bs, hs], v[bs, hs], mt)
+    return out
+
+
+ATTENTION: dict[str, Attention] = {
+    # torch's fused kernel: the reference, and the fastest for f32 where measured.
+    "sdpa": _sdpa,
+    # Two GEMMs and a softmax in f32: where SDPA's f16/bf16 path is slow (Zen 3 decode
+    # self-attention over 240 keys in bf16: 1.05 ms against 3.4 ms).
+    "matmul": _matmul,
+    # The same in cache-sized tiles: the encoder's long queries without the full score
+    # tensor, and the bf16 decode caches upcast a tile at a time instead of whole.
+    "blocked": _blocked,
+}
+
+
+def attention_candidates(shape_class: str, dtype: torch.dtype) -> tuple[str, ...]:
+    """Implementations timed for a shape class ("decode", "prefill", "encoder")."""
+    if shape_class == "encoder":  # plain matmul would hold all (B, H, T, S) f32 scores
+        return ("sdpa", "blocked")
+    return ("sdpa", "matmul", "blocked")
+
+
+# --- vocabulary projection implementations ------------------------------------------
+# (..., C) hidden states and the (V, C) tied embedding -> (..., V) in hidden's dtype.
+
+
+def _logits_f32_blocks(hidden, weight):
+    """The projection LOGIT_BLOCK_ROWS vocabulary rows at a time, in f32. f16/bf16: each
+    block of the weight is upcast into one reused f32 buffer: f32 GEMM speed on CPUs
+    without native half GEMMs, no f32 copy of the weight kept, and the result rounded
+    once, as a half GEMM (f32 accumulation) rounds its output."""
+    v = weight.shape[0]
+    out = hidden.new_empty((*hidden.shape[:-1], v))
+    h32 = hidden.float()
+    buf = None
+    if weight.dtype != torch.float32:
+        buf = torch.empty((min(LOGIT_BLOCK_ROWS, v), weight.shape[1]), device=weight.device)
+    for r0 in range(0, v, LOGIT_BLOCK_ROWS):
+        block = weight[r0 : r0 + LOGIT_BLOCK_ROWS]
+        if buf is not None:
+            block = buf[: block.shape[0]].copy_(block)
+        out[..., r0 : r0 + block.shape[0]] = h32 @ block.T
+    return out
+
+
+def _logits_weight_first(hidden, weight):
+    """(V, C) @ (C, M), then transposed to (M, V) contiguous: BLAS streams the tall
+    weight with 16 columns better than 16 rows against its transpose (Zen 3 f32, C 1280:
+    77 ms against 190)."""
+    rows = hidden.reshape(-1, hidden.shape[-1])  # (M, C)
+    out = (weight @ rows.T).T.contiguous()  # (M, V)
+    return out.view(*hidden.shape[:-1], weight.shape[0])
+
+
+LOGITS: dict[str, Logits] = {
+    "matmul": lambda hidden, weight: hidden @ weight.T,  # the reference
+    "linear": F.linear,  # the same GEMM through addmm's path; differs by CPU and M
+    "weight-first": _logits_weight_first,
+    "f32-blocks": _logits_f32_blocks,
+}
+
+
+def logits_candidates(dtype: torch.dtype) -> tuple[str, ...]:
+    """Implementations timed for the projection: all of them, in every dtype."""
+    return tuple(LOGITS)
+
+
+# --- the public entry points ----------------------------------------------------------
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D), masked) v: (B, H, T, D) x (B, H, S, D) -> (B, H, T, D).
+
+    Same semantics as F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+    is_causal=causal) with a bool mask (True = attend); every query row must see a key.
+    """
+    if q.device.type != "cpu" or torch.compiler.is_compiling():
+        return _sdpa(q, k, v, mask, causal)
+    return ATTENTION[attention_choice(q, k, mask, causal)](q, k, v, mask, causal)
+
+
+def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(..., C) hidden states @ weight (V, C)^T -> (..., V), the tied vocabulary projection."""
+    if hidden.device.type != "cpu" or torch.compiler.is_compiling():
+        return hidden @ weight.T
+    return LOGITS[logits_choice(hidden, weight)](hidden, weight)
+
+
+def attention_choice(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = False
+) -> str:
+    """The implementation `attention` runs on CPU for these arguments (timing it if new)."""
+    return _selector().attention_choice(q, k, mask, causal)
+
+
+def logits_choice(hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    """The implementation `logits` runs on CPU for these arguments (timing it if new)."""
+    return _selector().logits_choice(hidden, weight)
+
+
+def attention_class(t: int) -> str:
+    """The shape class of a query length: one decode step, a prompt, or the encoder."""
+    return "decode" if t == 1 else "encoder" if t >= ENCODER_ROWS else "prefill"
+
+
+def choices() -> dict[str, dict]:
+    """What was chosen in this process (and read from disk): key -> choice and timings."""
+    return dict(_selector().entries)
+
+
+def kernels_cache_path() -> Path:
+    """WHISPER_CLI_KERNELS_CACHE, else $XDG_CACHE_HOME/whisper-cli/kernels.json (~/.cache)."""
+    explicit = os.environ.get("WHISPER_CLI_KERNELS_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "whisper-cli" / "kernels.json"
+
+
+def reset() -> None:
+    """Forget the choices made in this process and reread the environment (tests)."""
+    global _SELECTOR
+    _SELECTOR = None
+
+
+# --- selection -------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _bucket(n: int) -> int:
+    """Lengths timed alike: 1 alone, then multiples of 64 (1500 -> 1536)."""
+    return 1 if n == 1 else 64 * math.ceil(n / 64)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _call_s(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def time_candidates(candidates: dict[str, Callable[[], object]]) -> dict[str, tuple[float, bool]]:
+    """name -> (ms, timed): the fastest of its timed calls, or (its warm-up, False) for a
+    candidate dropped after it. The protocol of the selector (see TIMING_REPS)."""
+    _warm_allocator()
+    with torch.no_grad():
+        warm = {name: _call_s(fn) for name, fn in candidates.items()}
+        cut = TIMING_CUTOFF * min(warm.values())
+        timed = {name: math.inf for name in candidates if warm[name] <= cut}
+        rounds, spent = 0, 0.0
+        while rounds < TIMING_MAX_REPS and (rounds < TIMING_REPS or spent < TIMING_MIN_S):
+            for name in timed:
+                elapsed = _call_s(candidates[name])
+                timed[name] = min(timed[name], elapsed)
+                spent += elapsed
+            rounds += 1
+    return {n: (timed[n] * 1e3, True) if n in timed else (warm[n] * 1e3, False) for n in warm}
+
+
+def _fastest(candidates: dict[str, Callable[[], object]]) -> tuple[str, dict[str, float]]:
+    """The fastest candidate and every one's ms; the first (the reference) wins ties."""
+    times = {name: ms for name, (ms, _) in time_candidates(candidates).items()}
+    reference = next(iter(times))
+    best = min(times, key=times.__getitem__)
+    return (best if times[best] < TIMING_MARGIN * times[reference] else reference), times
+
+
+def _warm_allocator() -> None:
+    """Time kernels in the allocator state of a real run, not of a fresh process.
+
+    glibc serves blocks above its mmap threshold (128 KiB at start) with fresh, page-
+    faulted mappings, and raises the threshold (to at most 32 MiB) when such a block is
+    freed, as happens in any run once weights are loaded. Before that, every tile of
+    "blocked" attention is page-faulted in: bf16 decode cross-attention measured 48 ms
+    in a fresh process against 6.5-10 ms after one 30 MB block was freed (SDPA 10-13 ms
+    either way), so a timing in a fresh process would choose, and save, the wrong kernel.
+    Allocating and freeing one such block here gives every process the warm state.
+    """
+    torch.empty(30 << 18).fill_(0)  # 30 MiB, touched, freed
+
+
+@dataclass
+class _Selector:
+    """Choices per key: in memory, read from and written to the JSON cache (mode auto)."""
+
+    mode: str  # "auto", "reference" or a comma list of forced implementation names
+    path: Path
+    entries: dict[str, dict]
+    memo: dict[tuple, str]
+
+    def attention_choice(self, q, k, mask, causal) -> str:
+        b, h, t, d = q.shape
+        s = k.shape[-2]
+        kind = "causal" if causal else "none" if mask is None else "mask"
+        key = ("attention", q.dtype, b, h, t, s, d, kind, torch.get_num_threads())
+        choice = self.memo.get(key)
+        if choice is None:
+            cls = attention_class(t)
+            shape = (_pow2(b), h, _bucket(t), _bucket(s), d)
+            name = "attention/{}/{}/B{}xH{}xT{}xS{}xD{}/{}".format(
+                _dtype_name(q.dtype), cls, *shape, kind
+            )
+            cands = attention_candidates(cls, q.dtype)
+            choice = self._choose(name, cands, lambda: _attention_runs(cands, shape, q, kind))
+            self.memo[key] = choice
+        return choice
+
+    def logits_choice(self, hidden, weight) -> str:
+        m = hidden.numel() // hidden.shape[-1]
+        v, c = weight.shape
+        key = ("logits", hidden.dtype, m, v, c, torch.get_num_threads())
+        choice = self.memo.get(key)
+        if choice is None:
+            shape = (_pow2(m), v, c)
+            name = "logits/{}/M{}xV{}xC{}".format(_dtype_name(hidden.dtype), *shape)
+            cands = logits_candidates(hidden.dtype)
+            choice = self._choose(name, cands, lambda: _logits_runs(cands, shape[0], weight))
+            self.memo[key] = choice
+        return choice
+
+    def _choose(self, name: str, cands: tuple[str, ...], runs) -> str:
+        if self.mode == "reference":
+            return cands[0]
+        if self.mode != "auto":
+            forced = [c for c in self.mode.split(",") if c in cands]
+            return forced[0] if forced else cands[0]
+        key = f"{_machine()}|threads={torch.get_num_threads()}|{name}"
+        entry = self.entries.get(key)
+        if not isinstance(entry, dict) or entry.get("choice") not in cands:
+            choice, times = _fastest(runs())
+            entry = {"choice": choice, "ms": {n: round(ms, 3) for n, ms in times.items()}}
+            self.entries[key] = entry
+            log.debug("kernel %s: %s (%s)", key, choice, entry["ms"])
+            self._write(key, entry)
+        return entry["choice"]
+
+    def _write(self, key: str, entry: dict) -> None:
+        """Merge into the file (others may have written since), atomically; a cache that
+        cannot be written costs a new timing next run, never the run."""
+        tmp = None
+        try:
+            on_disk = _read(self.path)
+            on_disk[key] = entry
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".kernels-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": CACHE_VERSION, "entries": on_disk}, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.debug("kernel choices not saved to %s: %s", self.path, exc)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+
+
+def _read(path: Path) -> dict[str, dict]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+        return {}
+    entries = data.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def _attention_runs(cands, shape, like: torch.Tensor, kind: str) -> dict[str, Callable[[], object]]:
+    """Calls of each candidate on random tensors of the bucket's shape, the queries cut to
+    two blocks and the batch so that one K tensor, and the scores, hold at most
+    TIMING_ELEMENTS (per-row costs, not totals, are compared: timing the encoder of a
+    batch of 16 windows costs about one window's encoder attention per candidate)."""
+    b, h, t, s, d = shape
+    t = min(t, 2 * BLOCK_ROWS)  # encoder: per-row costs of sdpa and blocked are flat in T
+    b = max(1, min(b, TIMING_ELEMENTS // (h * s * max(d, t))))
+    opts = {"dtype": like.dtype, "device": like.device}
+    q = torch.randn(b, t, h, d, **opts).transpose(1, 2)  # as split heads: (B, H, T, D) view
+    k, v = torch.randn(b, h, s, d, **opts), torch.randn(b, h, s, d, **opts)  # as the caches
+    mask = torch.ones(t, s, dtype=torch.bool, device=like.device) if kind == "mask" else None
+    causal = kind == "causal"
+    return {n: (lambda f=ATTENTION[n]: f(q, k, v, mask, causal)) for n in cands}
+
+
+def _logits_runs(cands, m: int, weight: Tensor) -> dict[str, Callable[[], object]]:
+    """Calls of each candidate on the real weight (no copy of it) and random hidden rows."""
+    hidden = torch.randn(m, 1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    return {n: (lambda f=LOGITS[n]: f(hidden, weight)) for n in cands}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}.get(
+        dtype, str(dtype).removeprefix("torch.")
+    )
+
+
+_MACHINE: str | None = None
+
+
+def _machine() -> str:
+    global _MACHINE
+    if _MACHINE is None:
+        _MACHINE = f"cpu={cpu_model()}|torch={torch.__version__}"
+    return _MACHINE
+
+
+_SELECTOR: _Selector | None = None
+
+
+def _selector() -> _Selector:
+    global _SELECTOR
+    if _SELECTOR is None:
+        mode = os.environ.get("WHISPER_CLI_KERNELS", "auto").strip() or "auto"
+        path = kernels_cache_path()
+        _SELECTOR = _Selector(mode, path, _read(path) if mode == "auto" else {}, {})
+    return _SELECTOR
