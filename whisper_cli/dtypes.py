@@ -49,6 +49,13 @@ F32_EXCEPTIONS: dict[str, str] = {
         "language probabilities) are computed from the logits in float32 by "
         "f32_log_softmax() and f32_logsumexp(); the logits themselves stay in the run dtype."
     ),
+    "CPU kernels": (
+        "kernels.py's matmul/blocked attention computes q k^T, the softmax and the product "
+        "with v in float32 tiles for f16/bf16 inputs (as SDPA's CPU kernel accumulates in "
+        "float32: half-precision scores have 7x its error), and its f32-blocks vocabulary "
+        "projection upcasts weight blocks into one float32 buffer; both round their result "
+        "once to the run dtype. The timing that chooses them runs on synthetic tensors."
+    ),
     "sampling noise": (
         "the Gumbel noise of a fallback draw (decoding.gumbel_noise) is made in float32 "
         "from integer hashes and cast to the run dtype before it meets the logits: a "

@@ -48,6 +48,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from whisper_cli.dtypes import dtype_name
+
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
@@ -374,7 +376,7 @@ class _Selector:
             cls = attention_class(t)
             shape = (_pow2(b), h, _bucket(t), _bucket(s), d)
             name = "attention/{}/{}/B{}xH{}xT{}xS{}xD{}/{}".format(
-                _dtype_name(q.dtype), cls, *shape, kind
+                dtype_name(q.dtype), cls, *shape, kind
             )
             cands = attention_candidates(cls, q.dtype)
             choice = self._choose(name, cands, lambda: _attention_runs(cands, shape, q, kind))
@@ -388,7 +390,7 @@ class _Selector:
         choice = self.memo.get(key)
         if choice is None:
             shape = (_pow2(m), v, c)
-            name = "logits/{}/M{}xV{}xC{}".format(_dtype_name(hidden.dtype), *shape)
+            name = "logits/{}/M{}xV{}xC{}".format(dtype_name(hidden.dtype), *shape)
             cands = logits_candidates(hidden.dtype)
             choice = self._choose(name, cands, lambda: _logits_runs(cands, shape[0], weight))
             self.memo[key] = choice
@@ -447,7 +449,9 @@ def _attention_runs(cands, shape, like: torch.Tensor, kind: str) -> dict[str, Ca
     b, h, t, s, d = shape
     t = min(t, 2 * BLOCK_ROWS)  # encoder: per-row costs of sdpa and blocked are flat in T
     b = max(1, min(b, TIMING_ELEMENTS // (h * s * max(d, t))))
-    opts = {"dtype": like.dtype, "device": like.device}
+    # A generator of its own: timing never moves the global random state.
+    g = torch.Generator(device=like.device).manual_seed(0)
+    opts = {"dtype": like.dtype, "device": like.device, "generator": g}
     q = torch.randn(b, t, h, d, **opts).transpose(1, 2)  # as split heads: (B, H, T, D) view
     k, v = torch.randn(b, h, s, d, **opts), torch.randn(b, h, s, d, **opts)  # as the caches
     mask = torch.ones(t, s, dtype=torch.bool, device=like.device) if kind == "mask" else None
@@ -457,14 +461,10 @@ def _attention_runs(cands, shape, like: torch.Tensor, kind: str) -> dict[str, Ca
 
 def _logits_runs(cands, m: int, weight: Tensor) -> dict[str, Callable[[], object]]:
     """Calls of each candidate on the real weight (no copy of it) and random hidden rows."""
-    hidden = torch.randn(m, 1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    shape = (m, 1, weight.shape[1])
+    hidden = torch.randn(shape, dtype=weight.dtype, device=weight.device, generator=g)
     return {n: (lambda f=LOGITS[n]: f(hidden, weight)) for n in cands}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}.get(
-        dtype, str(dtype).removeprefix("torch.")
-    )
 
 
 _MACHINE: str | None = None

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from whisper_cli import kernels
 from whisper_cli.config import ModelConfig
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys and values, (B, H, S, D) each
@@ -103,7 +104,7 @@ class Attention(nn.Module):
         mask: torch.Tensor | None = None,
         causal: bool = False,
     ) -> torch.Tensor:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B,H,T,D)
+        y = kernels.attention(q, k, v, mask, causal)  # (B, H, T, D), the fastest kernel here
         b, h, t, d = y.shape
         return self.out_proj(y.transpose(1, 2).reshape(b, t, h * d))
 
@@ -298,7 +299,8 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) logits."""
-        return hidden @ self.embed_tokens.weight.T  # output projection tied to the embedding
+        # The output projection is tied to the embedding; the kernel is chosen per machine.
+        return kernels.logits(hidden, self.embed_tokens.weight)
 
     def forward_aligned(
         self,
