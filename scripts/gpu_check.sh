@@ -73,17 +73,19 @@ fi
 
 say "plan (budget ${BUDGET}s, limits x$SCALE, device $GPU_CHECK_DEVICE, small=${GPU_CHECK_SMALL:-0}, python $PY):"
 mapfile -t PLAN < <("$PY" scripts/gpu_check.py plan)
-total=0
+total=0 expected=0
 for line in "${PLAN[@]}"; do
-  read -r name limit min what <<<"$line"
+  read -r name limit min expect what <<<"$line"
   limit=$((limit * SCALE)) min=$((min * SCALE))
-  printf '  %-32s limit %4ss  (needs %3ss)  %s\n' "$name" "$limit" "$min" "${what//_/ }"
+  expected=$((expected + expect))
+  printf '  %-30s planned %3ss (so far %3ss)  limit %4ss  needs %3ss  %s\n' \
+    "$name" "$expect" "$expected" "$limit" "$min" "${what//_/ }"
   total=$((total + limit))
 done
-echo "  sum of the limits ${total}s; stages that do not fit the budget are skipped"
+echo "  planned ${expected}s on an H200, limits ${total}s in all; what does not fit the budget is skipped"
 
 for line in "${PLAN[@]}"; do
-  read -r name limit min _ <<<"$line"
+  read -r name limit min _ _ <<<"$line"
   limit=$((limit * SCALE)) min=$((min * SCALE))
   if [[ -n "${GPU_CHECK_STAGES:-}" && " $GPU_CHECK_STAGES " != *" $name "* ]]; then
     continue
