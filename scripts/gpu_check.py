@@ -148,29 +148,35 @@ def _stand_in(name: str) -> types.ModuleType:
 
 
 def block_imports(names: list[str]) -> None:
-    """Make `import name` fail as if the package were absent (the dry run's proof)."""
-    import importlib.abc
-
-    class Blocker(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path=None, target=None):
-            if fullname.split(".")[0] in names:
-                raise ModuleNotFoundError(f"No module named {fullname!r} (blocked)")
-            return None
-
-    sys.meta_path.insert(0, Blocker())
+    """Make these packages absent, as on the GPU image (the dry run's proof): `import`
+    fails and importlib.util.find_spec finds nothing (a None in sys.modules)."""
+    for name in names:
+        sys.modules[name] = None  # type: ignore[assignment]
 
 
 def stand_in_for_missing() -> list[str]:
     """whisper_cli.audio imports soundfile and soxr at its top; nothing here decodes or
-    resamples a file (audio comes as arrays), so stand-ins that fail when used do."""
-    missing = []
+    resamples a file (audio comes as arrays). It is imported over stand-ins that fail when
+    used, which then leave sys.modules again: to every later check (transformers asks
+    importlib whether soundfile exists) the packages stay absent."""
+    saved: dict[str, Any] = {}
     for name in MISSING_OK:
         try:
             __import__(name)
         except ImportError:
+            saved[name] = sys.modules.pop(name, _ABSENT)
             sys.modules[name] = _stand_in(name)
-            missing.append(name)
-    return missing
+    import whisper_cli.audio  # noqa: F401  (binds the stand-ins)
+
+    for name, before in saved.items():
+        if before is _ABSENT:
+            del sys.modules[name]
+        else:
+            sys.modules[name] = before
+    return list(saved)
+
+
+_ABSENT = object()
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -361,6 +367,11 @@ def stage_setup() -> dict[str, Any]:
         "stand_ins": os.environ.get("GPU_CHECK_STAND_INS", ""),
         "small": small(),
         "device": device_name(),
+        # What "f32" means on CUDA: TF32 in cuBLAS matmuls or cuDNN convolutions (the
+        # encoder's two) would be ~1e-3 relative, enough to fail the f32 parity.
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
     for name in ("transformers", "safetensors", "tokenizers", "numpy", "triton"):
         try:
@@ -1096,9 +1107,9 @@ def main(argv: list[str]) -> int:
     if command == "summary":
         summarise(Path(argv[1]))
         return 0
+    sys.path.insert(0, str(ROOT))  # this checkout's whisper_cli
     stand_ins = stand_in_for_missing()
     os.environ["GPU_CHECK_STAND_INS"] = ",".join(stand_ins)
-    sys.path.insert(0, str(ROOT))  # this checkout's whisper_cli
     if command == "prepare":
         prepare()
         return 0
