@@ -498,6 +498,7 @@ def parity(
     rows: int = 4,
     steps: int = 32,
     paths: tuple[tuple[str, bool], ...] = PARITY_PATHS,
+    on_partial=None,
 ) -> dict[str, Any]:
     """CPU f32 (free-running greedy: the reference tokens) against the device's engine on
     `paths` (dtype, compiled), all teacher-forced to the reference tokens. `clip`: real
@@ -559,6 +560,8 @@ def parity(
                 entry["vs_eager"] = compare(logits, tokens, features, *results["eager"])
             results["compiled" if compiled else "eager"] = (logits, tokens, features)
             out[name] = entry
+            if on_partial:  # kept if a later path runs past the stage's limit
+                on_partial(out)
         out[f"{device}_{dtype}_load_s"] = round(load_s, 1)
         del loaded
         if device == "cuda":
@@ -583,7 +586,14 @@ def parity(
 
 def stage_parity(model: str) -> dict[str, Any]:
     rows, steps = (2, 8) if small() else (4, 32)
-    return parity(models_dir() / model, device_name(), speech_clip(), rows=rows, steps=steps)
+    path = work_dir() / f"parity-{model}.json"
+
+    def partial(out: dict[str, Any]) -> None:
+        write_json(path, {"stage": f"parity-{model}", "status": "partial", "result": out})
+
+    return parity(
+        models_dir() / model, device_name(), speech_clip(), rows, steps, on_partial=partial
+    )
 
 
 def stage_dtype() -> dict[str, Any]:
@@ -813,8 +823,9 @@ def summarise(out_dir: Path) -> None:
             continue
         lines += ["", f"## parity {model} ({p['rows']} rows x {p['steps']} teacher-forced steps)"]
         lines.append(
-            f"f32 pass (max |logit diff| <= {p['f32_tolerance']:g} and identical tokens): "
-            f"**{p['f32_pass']}**; reference |logits| up to {p['reference_max_abs_logit']}, "
+            f"f32 pass (max |logit diff| <= 1e-3 and identical tokens): "
+            f"**{p.get('f32_pass', 'unfinished')}**; reference |logits| up to "
+            f"{p['reference_max_abs_logit']}, "
             f"smallest top-2 margin {p['reference_min_margin']}"
         )
         lines += [
