@@ -1,123 +1,28 @@
 """--dtype means what it says: every floating tensor of a run has the chosen dtype.
 
-A TorchDispatchMode sees the output of every op of a whole transcription. Only the
-exceptions listed in whisper_cli.dtypes.F32_EXCEPTIONS may produce float32 in a
-bf16/f16 run: the audio front end (log_mel), the speech detector (whose output is NumPy)
-and probabilities computed from the logits (f32_log_softmax, f32_logsumexp,
-f32_logprob_sums) and whatever is computed from those.
+The recorder (tests/dtype_recorder.py, also run on CUDA by scripts/gpu_check.py) sees the
+output of every op of a whole transcription; only the listed float32 exceptions of
+whisper_cli.dtypes.F32_EXCEPTIONS may produce float32 in a bf16/f16 run.
 """
 
 from __future__ import annotations
 
 import re
-from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from dtype_recorder import DtypeRecorder, exceptions_marked
 from util import real_model, shared_clip
 
-import whisper_cli.decoding as decoding
-import whisper_cli.engine as engine
-import whisper_cli.pipeline as pipeline
-import whisper_cli.rules as rules
-import whisper_cli.timing as timing
-from whisper_cli import dtypes, kernels, speech
+from whisper_cli import dtypes
 from whisper_cli.loading import load_model
 from whisper_cli.pipeline import TranscribeOptions, Transcriber
 
 
-class DtypeRecorder(TorchDispatchMode):
-    """Records (op, dtype) of every floating output; tracks tensors derived from exceptions."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: Counter[tuple[str, torch.dtype]] = Counter()
-        self.violations: Counter[tuple[str, torch.dtype]] = Counter()
-        self.expected: torch.dtype | None = None
-        self.paused = 0
-        self._exception_ids: set[int] = set()
-        self._keep: list[torch.Tensor] = []  # keeps ids of tagged tensors from being reused
-
-    def untag(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._exception_ids.discard(id(tensor))
-        return tensor
-
-    def tag(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._exception_ids.add(id(tensor))
-        self._keep.append(tensor)
-        return tensor
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.paused:
-            return out
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        derived = any(id(t) in self._exception_ids for t in inputs)
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                continue
-            if derived and t.dtype == torch.float32:
-                self.tag(t)  # computed from an exception's float32 result: same exception
-                continue
-            self.seen[(str(func), t.dtype)] += 1
-            if t.dtype != self.expected:
-                self.violations[(str(func), t.dtype)] += 1
-        return out
-
-
 @pytest.fixture
-def recorder(monkeypatch):
-    rec = DtypeRecorder()
-
-    def exception(fn):
-        def wrapped(*args, **kwargs):
-            rec.paused += 1
-            try:
-                result = fn(*args, **kwargs)
-            finally:
-                rec.paused -= 1
-            assert result.dtype == torch.float32
-            return rec.tag(result)
-
-        return wrapped
-
-    def encoder_door(fn):
-        def wrapped(mel, dtype):
-            assert mel.dtype == torch.float32
-            result = fn(mel, dtype)
-            assert result.dtype == dtype
-            return rec.untag(result)  # from here on, the model's own tensors
-
-        return wrapped
-
-    def inside(fn):  # a listed exception whose float32 never leaves it (NumPy or cast out)
-        def wrapped(*args, **kwargs):
-            rec.paused += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                rec.paused -= 1
-
-        return wrapped
-
-    monkeypatch.setattr(speech.SpeechStream, "_score", inside(speech.SpeechStream._score))
-    # The CPU kernels' float32 tiles and the timing that chooses them (listed exception).
-    monkeypatch.setattr(kernels, "_attend_f32", inside(kernels._attend_f32))
-    monkeypatch.setitem(kernels.LOGITS, "f32-blocks", inside(kernels.LOGITS["f32-blocks"]))
-    monkeypatch.setattr(kernels, "time_candidates", inside(kernels.time_candidates))
-    monkeypatch.setattr(engine, "encoder_input", encoder_door(engine.encoder_input))
-    # The listed exceptions, wrapped where they are used.
-    monkeypatch.setattr(pipeline, "batch_log_mel", exception(pipeline.batch_log_mel))
-    monkeypatch.setattr(engine, "f32_log_softmax", exception(engine.f32_log_softmax))
-    monkeypatch.setattr(rules, "f32_logsumexp", exception(rules.f32_logsumexp))
-    monkeypatch.setattr(decoding, "gumbel_noise", exception(decoding.gumbel_noise))
-    monkeypatch.setattr(decoding, "f32_logprob_sums", exception(decoding.f32_logprob_sums))
-    monkeypatch.setattr(decoding, "f32_logsumexp", exception(decoding.f32_logsumexp))
-    monkeypatch.setattr(timing, "f32_log_softmax", exception(timing.f32_log_softmax))
-    monkeypatch.setattr(timing, "f32_alignment_weights", exception(timing.f32_alignment_weights))
-    return rec
+def recorder():
+    with exceptions_marked(DtypeRecorder()) as rec:
+        yield rec
 
 
 def test_exceptions_are_listed():

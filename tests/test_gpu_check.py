@@ -1,0 +1,44 @@
+"""scripts/gpu_check.py's parity stage, on the CPU with tiny shapes: teacher forcing through
+the engine's own step (eager and compiled) reproduces the free-running reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+from util import REPO, real_tokenizer, shared_clip
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["gpu_check"]
+
+
+def test_parity_stage_on_cpu(gpu_check, tmp_path):
+    from whisper_cli.audio import load_audio
+
+    model = gpu_check.make_model(
+        tmp_path / "model", (64, 2, 1, 4), "cpu", tokenizer=real_tokenizer("base")
+    )
+    clip = load_audio(shared_clip("jfk.flac"))
+    # One compiled path (inductor's compile is most of this test's time).
+    paths = (("f32", False), ("f32", True), ("bf16", False))
+    out = gpu_check.parity(model, "cpu", clip, rows=2, steps=6, paths=paths)
+    eager, compiled = out["cpu_f32_eager"], out["cpu_f32_compiled"]
+    # The same CPU, the same eager kernels: forcing the reference's own tokens changes nothing.
+    assert eager["vs_cpu_f32"]["max_abs_logit_diff"] == 0.0
+    assert eager["vs_cpu_f32"]["tokens_identical"]
+    # Inductor fuses differently: equal within the f32 tolerance, the same choices, one graph.
+    assert compiled["vs_cpu_f32"]["max_abs_logit_diff"] <= 1e-3
+    assert compiled["vs_eager"]["tokens_identical"]
+    assert (compiled["graphs"], compiled["recompiles"], compiled["graph_breaks"]) == (1, 0, 0)
+    assert out["f32_pass"]
+    # bf16 forced to the f32 tokens: mostly the same choices (the weights are confident).
+    assert min(out["bf16_token_agreement"].values()) >= 0.5
+    assert out["reference_max_abs_logit"] > 10  # the scaled embedding: confident logits
