@@ -947,6 +947,7 @@ def prepare() -> None:
 
     import numpy as np
 
+    from whisper_cli.kernels import cpu_model
     from whisper_cli.options import Policy
     from whisper_cli.speech import load_detector
     from whisper_cli.tools.bench import load_bench_audio, tiled_blocks
@@ -997,7 +998,7 @@ def prepare() -> None:
         "real_steps_per_batch": {k: v["steps_per_batch"] for k, v in real.items()},
         "real_runs": real,
         "max_new_tokens": MAX_NEW_TOKENS,
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
     }
     write_json(PLAN_FILE, plan)
     print(json.dumps(plan, indent=2))
@@ -1050,16 +1051,6 @@ def real_steps(clip, n_samples: int) -> dict[str, dict[str, Any]]:
             "words": len(transcript.text.split()),
         }
     }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 # --- entry point ------------------------------------------------------------------------------
