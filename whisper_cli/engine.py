@@ -212,7 +212,8 @@ class Engine:
         final = state  # the whole batch's tokens and results
         rows = torch.arange(b, device=device)  # the batch row of each active row
         o = self.options
-        graphs_before = _dynamo_counts()
+        # Dynamo's counters only where it runs (importing it costs an eager run time).
+        graphs_before = _dynamo_counts() if self.compile else None
         for i in range(1, self.max_new):  # i tokens sampled so far
             if i % o.loop_check_every == 0:
                 decoding.stop_loops(state, i, o, self.special.timestamp_begin)
@@ -235,7 +236,7 @@ class Engine:
             self.counters.row_steps += len(rows)
         if state is not final:
             state.store(final, rows)
-        if self.compile:
+        if graphs_before is not None:
             self._count_graphs(graphs_before)
         results = decoding.decoded_rows(
             final, self.special.eot, no_speech.tolist(), languages, temperatures
