@@ -145,7 +145,7 @@ def test_each_logits_matches_float64(dtype, lead):
     weight = torch.randn(kernels.LOGIT_BLOCK_ROWS * 2 + 77, 64, generator=g).to(dtype)
     ref = hidden.double() @ weight.double().T
     plain = hidden @ weight.T
-    for name in kernels.LOGITS:
+    for name in kernels.logits_candidates(dtype):
         out = kernels.LOGITS[name](hidden, weight)
         assert out.dtype == dtype and out.shape == (*lead, weight.shape[0]), name
         assert out.is_contiguous(), name  # log-softmax and argmax run over V
@@ -153,6 +153,28 @@ def test_each_logits_matches_float64(dtype, lead):
             torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
         else:
             assert rel_err(out, ref) <= 1.5 * rel_err(plain, ref), name
+
+
+@pytest.mark.skipif(not kernels.packable(torch.float32), reason="no oneDNN in this torch")
+def test_packed_logits_follow_their_weight():
+    """One packed copy per weight, whatever M; repacked when the weight changes in place,
+    and dropped with the weight."""
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(3000, 64, generator=g)
+    for m in (1, 5, 16):
+        hidden = torch.randn(m, 1, 64, generator=g)
+        torch.testing.assert_close(kernels.LOGITS["packed"](hidden, weight), hidden @ weight.T)
+    assert len([k for k in kernels._PACKED if k == id(weight)]) == 1
+    weight.mul_(2)  # a new version: the old copy must not be used
+    torch.testing.assert_close(kernels.LOGITS["packed"](hidden, weight), hidden @ weight.T)
+    key = id(weight)
+    del weight
+    assert key not in kernels._PACKED
+
+
+def test_packed_is_offered_only_where_onednn_packs_the_dtype():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert ("packed" in kernels.logits_candidates(dtype)) == kernels.packable(dtype)
 
 
 def test_f32_blocks_logits_at_real_size():
@@ -263,12 +285,17 @@ def test_logits_choice_is_timed_and_saved(tmp_path):
     torch.testing.assert_close(kernels.logits(hidden, weight), hidden @ weight.T)
     (key, entry), *_ = entries(tmp_path / "kernels.json").items()
     assert key.endswith("logits/f32/M16xV3000xC32")
-    assert set(entry["ms"]) == set(kernels.LOGITS)
+    assert set(entry["ms"]) == set(kernels.logits_candidates(torch.float32))
 
 
 @pytest.mark.parametrize(
     "content",
-    [None, "{not json", '{"version": 0, "entries": {}}', '{"version": 1, "entries": []}'],
+    [
+        None,
+        "{not json",
+        '{"version": 0, "entries": {}}',
+        f'{{"version": {kernels.CACHE_VERSION}, "entries": []}}',
+    ],
 )
 def test_unwritable_or_bad_cache_never_fails_the_run(tmp_path, monkeypatch, content):
     if content is None:  # a directory that cannot exist: its parent is a file
