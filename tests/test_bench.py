@@ -243,7 +243,7 @@ def test_short_real_run_reports_every_field() -> None:
     assert result["decode_steps"] >= result["batches"] + 1
     # What the engine ran, per timed run, and the text's hash.
     engine = result["engine"]
-    assert engine["encoded_rows"] == result["windows"]
+    assert engine["decoded_rows"] == result["windows"] >= engine["encoded_rows"] >= 1
     assert engine["prefills"] + engine["steps"] == result["decode_steps"]
     assert engine["tokens"] == result["generated_tokens"]
     assert engine["graphs"] == engine["recompiles"] == 0  # eager

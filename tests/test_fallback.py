@@ -78,6 +78,9 @@ def test_one_failing_row_falls_back_alone(sixteen, tiny_en, transcriber, monkeyp
     assert all(t == 0.0 for _, t in decoded[:16])  # one full batch first
     # The failing window alone is decoded again, at exactly 0.2 and 0.4; it passes at 0.6.
     assert decoded[16:] == [(True, 0.2), (True, 0.4), (True, 0.6)]
+    # Its encoder output is kept for its later attempts: every window is encoded once.
+    counters = with_fallback.engine.counters
+    assert (counters.encoded_rows, counters.decoded_rows) == (16, 19)
     for i, path in enumerate(sixteen):
         if i != FAILING:
             assert fallback[path].segments == plain[path].segments  # untouched neighbours

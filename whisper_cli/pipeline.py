@@ -89,6 +89,9 @@ class _Job:
     attempt: int = 0  # index into policy.temperatures
     language: str | None = None  # once known (a fallback keeps its window's language)
     candidates: list[DecodedRow] = field(default_factory=list)  # earlier attempts
+    # (S, C): its encoder output, kept while it waits to be decoded again (it is the
+    # same at every temperature, so the window is encoded once)
+    features: torch.Tensor | None = None
 
 
 def check_options(options: TranscribeOptions) -> None:
@@ -317,13 +320,34 @@ class Transcriber:
             done += len(chunk)
         return again
 
+    def _encode(self, batch: list[_Job]) -> torch.Tensor:
+        """(rows, S, C) encoder output of the batch, padding rows after it (see rows_for);
+        only the windows not encoded before pass through the encoder."""
+        n_rows = self.engine.rows_for(len(batch), self.rows)
+        fresh = [r for r, j in enumerate(batch) if j.features is None]
+        encoded = None
+        if len(fresh) + n_rows - len(batch):
+            mel = batch_log_mel(
+                [batch[r].window.audio for r in fresh],
+                len(fresh) + n_rows - len(batch),
+                self.loaded.config.num_mel_bins,
+                self.loaded.policy.device,
+            )
+            encoded = self.engine.encode(mel)  # the fresh rows, then the padding
+        if len(fresh) == len(batch):
+            return encoded
+        kept = [r for r, j in enumerate(batch) if j.features is not None]
+        like = batch[kept[0]].features
+        features = like.new_empty((n_rows, *like.shape))
+        features[kept] = torch.stack([batch[r].features for r in kept])
+        if encoded is not None:
+            features[fresh] = encoded[: len(fresh)]
+            features[len(batch) :] = encoded[len(fresh) :]
+        return features
+
     def _decode_rows(self, inputs: list[_Input], batch: list[_Job]) -> list[_Job]:
         device = self.loaded.policy.device
-        n_rows = self.engine.rows_for(len(batch), self.rows)
-        mel = batch_log_mel(
-            [j.window.audio for j in batch], n_rows, self.loaded.config.num_mel_bins, device
-        )
-        features = self.engine.encode(mel)
+        features = self._encode(batch)
         self.counters.batches += 1
         languages = self._languages(inputs, batch, features)
         speech_after = None
@@ -344,9 +368,11 @@ class Transcriber:
             if self._needs_fallback(row) and job.attempt + 1 < len(self.policy.temperatures):
                 job.candidates.append(row)
                 job.attempt += 1
+                job.features = features[r].clone()  # not a view holding the whole batch
                 self.counters.fallbacks += 1
                 again.append(job)
                 continue
+            job.features = None
             row = self._best([*job.candidates, row])
             item = inputs[job.window.source]
             segments, repetitive = self._segments(job.window, row)

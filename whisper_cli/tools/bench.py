@@ -116,7 +116,8 @@ class ConfigResult:
     load_s: float
     warmup_wall_s: float  # the first (warm-up) run's wall time
     warmup_s: float  # compile / warm-up overhead: warm-up wall minus the median
-    # Per timed run; windows counts batch rows, so padding rows of a compiled batch count.
+    # Per timed run; windows counts decoded batch rows: a compiled batch's padding rows
+    # and each fallback attempt count (the encoder ran once per window: engine.encoded_rows).
     windows: int
     batches: int
     decode_steps: int  # decoder forward passes: the prompt pass plus one per token step
@@ -491,8 +492,8 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
         load_s=load_s,
         warmup_wall_s=warmup_wall,
         warmup_s=max(0.0, warmup_wall - wall),
-        windows=round(ran["encoded_rows"]),
-        batches=round(ran["encoder_passes"]),
+        windows=round(ran["decoded_rows"]),
+        batches=round(ran["decodes"]),
         decode_steps=round(ran["prefills"] + ran["steps"]),
         generated_tokens=round(ran["tokens"]),
         encoder_ms_per_window=1000 * ran["encode_s"] / max(ran["encoded_rows"], 1),
@@ -507,7 +508,7 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
         text=transcript.text,
         comparison=comparison,
         word_timestamps=transcriber_words,
-        align_ms_per_window=1000 * align_run / max(ran["encoded_rows"], 1),
+        align_ms_per_window=1000 * align_run / max(ran["decoded_rows"], 1),
         word_timing_overhead=align_run / (wall - align_run) if wall > align_run else 0.0,
         text_sha256=hashlib.sha256(transcript.text.encode()).hexdigest(),
         engine=ran,
