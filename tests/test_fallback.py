@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 from util import shared_clip
 
 from whisper_cli.audio import SAMPLE_RATE, load_audio
@@ -76,11 +77,13 @@ def test_one_failing_row_falls_back_alone(sixteen, tiny_en, transcriber, monkeyp
     plain, _ = run(no_fallback, sixteen, monkeypatch)
     assert len(decoded[:16]) == 16 and sum(failing for failing, _ in decoded[:16]) == 1
     assert all(t == 0.0 for _, t in decoded[:16])  # one full batch first
-    # The failing window alone is decoded again, at exactly 0.2 and 0.4; it passes at 0.6.
-    assert decoded[16:] == [(True, 0.2), (True, 0.4), (True, 0.6)]
+    # No new window is left: the failing window alone is decoded again, at every later
+    # temperature in one batch (the spare rows); it fails at 0.2 and 0.4, passes at 0.6.
+    assert decoded[16:] == [(True, t) for t in (0.2, 0.4, 0.6, 0.8, 1.0)]
+    assert (with_fallback.counters.fallbacks, with_fallback.counters.ahead) == (3, 4)
     # Its encoder output is kept for its later attempts: every window is encoded once.
     counters = with_fallback.engine.counters
-    assert (counters.encoded_rows, counters.decoded_rows) == (16, 19)
+    assert (counters.encoded_rows, counters.decoded_rows, counters.decodes) == (16, 21, 2)
     for i, path in enumerate(sixteen):
         if i != FAILING:
             assert fallback[path].segments == plain[path].segments  # untouched neighbours
@@ -89,6 +92,41 @@ def test_one_failing_row_falls_back_alone(sixteen, tiny_en, transcriber, monkeyp
 
     again, _ = run(transcriber(tiny_en, policy=Policy(**FORCED_ONLY)), sixteen, monkeypatch)
     assert again[sixteen[FAILING]].segments == kept.segments  # the same seed, the same text
+
+    # One attempt at a time (nothing decoded ahead) gives the same transcripts (log-probs
+    # up to float rounding: the rows' batches differ in size).
+    monkeypatch.setattr(type(with_fallback), "_ahead", lambda self, batch, spare: [])
+    one_by_one, decoded = run(
+        transcriber(tiny_en, policy=Policy(**FORCED_ONLY)), sixteen, monkeypatch
+    )
+    assert decoded[16:] == [(True, 0.2), (True, 0.4), (True, 0.6)]  # a batch each
+    for path, result in fallback.items():
+        got = one_by_one[path].segments
+        assert [(s.start, s.end, s.text, s.tokens) for s in got] == [
+            (s.start, s.end, s.text, s.tokens) for s in result.segments
+        ]
+        for x, y in zip(got, result.segments, strict=True):
+            assert x.avg_logprob == pytest.approx(y.avg_logprob, abs=1e-5)
+
+
+def test_later_attempts_fill_spare_rows_round_robin(tiny_en, transcriber) -> None:
+    """Each retry's next temperature first, then the one after; never past the spare
+    rows, the last temperature, or onto rows decoded for the first time."""
+    from whisper_cli.pipeline import _Job
+    from whisper_cli.windows import Window
+
+    t = transcriber(tiny_en)  # temperatures 0.0, 0.2, ..., 1.0: attempts 0..5
+    audio = np.zeros(SAMPLE_RATE, dtype=np.float32)
+    window = Window(0, 0, 0, audio, np.zeros(32, dtype=bool))
+    features = torch.zeros(1500, 384)
+    a, b = _Job(window, 1, features=features), _Job(window, 4, features=features)
+    fresh = _Job(window)  # a new window: nothing ahead
+    ahead = t._ahead([a, fresh, b], 3)
+    assert [(j.ahead_of, j.attempt) for j in ahead] == [(a, 2), (b, 5), (a, 3)]
+    assert all(j.features is features and j.window is window for j in ahead)
+    assert [j.attempt for j in t._ahead([a, b], 10)] == [2, 5, 3, 4, 5]
+    assert t._ahead([a, b], 0) == [] and t._ahead([fresh], 5) == []
+    assert t.counters.ahead == 8
 
 
 def test_rows_that_loop_or_are_unsure_fall_back_and_silence_does_not(tiny_en, transcriber):

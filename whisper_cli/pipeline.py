@@ -8,7 +8,11 @@ files share batches; only a batch of windows is held in memory at a time.
 A window whose decode fails openai-whisper's checks (text too repetitive, average
 log-prob too low, or stopped by the repetition guard) is queued again at the next
 temperature of the policy and decoded in a later batch, beside new windows, so batches
-stay full and the other rows are untouched.
+stay full and the other rows are untouched. Once the inputs hold no more new windows, the
+rows a batch has spare decode its retries' later temperatures ahead, in the same batch:
+a window that fails several temperatures no longer costs a batch per temperature at the
+end of a run. The result is the same as one attempt at a time (each attempt's sampling
+is seeded by its window and temperature, not by its batch).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class Counters:
     windows: int = 0  # windows cut (each decoded at least once)
     batches: int = 0
     fallbacks: int = 0  # window decodes repeated at a higher temperature
+    ahead: int = 0  # attempts decoded ahead in spare rows (used or not; see _ahead)
     detector_s: float = 0.0  # wall time of the speech detector
     align_s: float = 0.0  # wall time of the word-alignment passes (timed runs: synchronised)
 
@@ -92,6 +97,8 @@ class _Job:
     # (S, C): its encoder output, kept while it waits to be decoded again (it is the
     # same at every temperature, so the window is encoded once)
     features: torch.Tensor | None = None
+    # A later attempt of that job, decoded ahead in a spare row of its batch (see _ahead).
+    ahead_of: _Job | None = None
 
 
 def check_options(options: TranscribeOptions) -> None:
@@ -217,6 +224,8 @@ class Transcriber:
             again = self._decode_batch(inputs, batch)
             retries.extend(again)  # failed at their temperature: decoded again later
             for job in batch:
+                if job.ahead_of is not None:
+                    continue  # its window is accounted for by its job
                 item = inputs[job.window.source]
                 if all(job is not other for other in again):
                     item.pending -= 1
@@ -290,7 +299,32 @@ class Transcriber:
                     batch.append(_Job(window))
             if not batch:
                 return
+            if exhausted:
+                batch += self._ahead(batch, self.rows - len(batch))
             yield batch
+
+    def _ahead(self, batch: list[_Job], spare: int) -> list[_Job]:
+        """Up to `spare` later attempts of the batch's retries, their next temperature
+        first, round robin: rows that would otherwise decode nothing (or padding)."""
+        last = len(self.policy.temperatures) - 1
+        waiting = [[j, j.attempt] for j in batch if j.features is not None]  # retries
+        extra: list[_Job] = []
+        while spare > len(extra) and any(a < last for _, a in waiting):
+            for entry in waiting:
+                job, attempt = entry
+                if attempt < last and spare > len(extra):
+                    entry[1] = attempt + 1
+                    extra.append(
+                        _Job(
+                            job.window,
+                            attempt + 1,
+                            job.language,
+                            features=job.features,
+                            ahead_of=job,
+                        )
+                    )
+        self.counters.ahead += len(extra)
+        return extra
 
     # -- decoding --------------------------------------------------------------------
 
@@ -362,14 +396,26 @@ class Transcriber:
         temperatures = [self.policy.temperatures[j.attempt] for j in batch]
         seeds = [self._seed(j) for j in batch]
         rows = self.engine.decode(features, languages, speech_after, temperatures, seeds)
+        # Attempts decoded ahead: (their job, attempt) -> row.
+        ahead = {
+            (id(j.ahead_of), j.attempt): row
+            for j, row in zip(batch, rows, strict=True)
+            if j.ahead_of is not None
+        }
         again = []
         final: list[tuple[int, _Job, DecodedRow, list[Segment]]] = []
         for r, (job, row) in enumerate(zip(batch, rows, strict=True)):
-            if self._needs_fallback(row) and job.attempt + 1 < len(self.policy.temperatures):
+            if job.ahead_of is not None:
+                continue  # read through its job below
+            while self._needs_fallback(row) and job.attempt + 1 < len(self.policy.temperatures):
                 job.candidates.append(row)
                 job.attempt += 1
-                job.features = features[r].clone()  # not a view holding the whole batch
                 self.counters.fallbacks += 1
+                row = ahead.get((id(job), job.attempt))
+                if row is None:
+                    break
+            if row is None:  # its next attempt was not decoded ahead: queued again
+                job.features = features[r].clone()  # not a view holding the whole batch
                 again.append(job)
                 continue
             job.features = None
