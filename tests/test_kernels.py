@@ -189,6 +189,62 @@ def test_f32_blocks_logits_at_real_size():
     assert rel_err(out, ref) <= rel_err(hidden @ weight.T, ref) * 1.01
 
 
+@pytest.mark.parametrize("lead", [(16, 1), (2, 300)], ids=str)
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_each_linear_matches_float64(dtype, lead):
+    """The f32 upcast is a half GEMM accumulating in f32: as exact as torch's, or more."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(*lead, 96, generator=g).to(dtype)
+    weight, bias = torch.randn(80, 96, generator=g).to(dtype), torch.randn(80).to(dtype)
+    ref = F.linear(x.double(), weight.double(), bias.double())
+    plain = F.linear(x, weight, bias)
+    assert kernels.upcast_candidates("linear", dtype) == tuple(kernels.LINEAR)
+    for name in kernels.LINEAR:
+        for b in (bias, None):
+            out = kernels.LINEAR[name](x, weight, b)
+            assert out.dtype == dtype and out.shape == (*lead, 80), name
+        out = kernels.LINEAR[name](x, weight, bias)
+        assert rel_err(out, ref) <= 1.01 * rel_err(plain, ref), name
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_each_conv1d_matches_float64(dtype, stride):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 24, 100, generator=g).to(dtype)
+    weight, bias = torch.randn(32, 24, 3, generator=g).to(dtype), torch.randn(32).to(dtype)
+    ref = F.conv1d(x.double(), weight.double(), bias.double(), stride, 1)
+    plain = F.conv1d(x, weight, bias, stride, 1)
+    for name in kernels.CONV1D:
+        out = kernels.CONV1D[name](x, weight, bias, stride, 1)
+        assert out.dtype == dtype and out.shape == plain.shape, name
+        assert rel_err(out, ref) <= 1.01 * rel_err(plain, ref), name
+
+
+def test_f32_linear_and_conv_are_never_timed(tmp_path, monkeypatch):
+    """f32 has the reference alone: called straight, nothing timed or saved."""
+    monkeypatch.setattr(kernels, "time_candidates", no_timing)
+    x, weight = torch.randn(4, 1, 32), torch.randn(48, 32)
+    torch.testing.assert_close(kernels.linear(x, weight), F.linear(x, weight))
+    mel, conv = torch.randn(1, 8, 40), torch.randn(16, 8, 3)
+    torch.testing.assert_close(
+        kernels.conv1d(mel, conv, None, 2, 1), F.conv1d(mel, conv, None, 2, 1)
+    )
+    assert kernels.upcast_candidates("linear", torch.float32) == ("linear",)
+    assert not (tmp_path / "kernels.json").exists()
+
+
+def test_half_linear_and_conv_choices_are_timed_and_saved(tmp_path):
+    x, weight = torch.randn(5, 1, 32).bfloat16(), torch.randn(48, 32).bfloat16()
+    kernels.linear(x, weight)
+    mel, conv = torch.randn(1, 8, 40).bfloat16(), torch.randn(16, 8, 3).bfloat16()
+    kernels.conv1d(mel, conv, None, 2, 1)
+    saved = entries(tmp_path / "kernels.json")
+    names = sorted(key.split("|")[-1] for key in saved)
+    assert names == ["conv1d/bf16/Cin8xCout16xW3xL64/s2p1", "linear/bf16/M8xN48xK32"]
+    assert {n for e in saved.values() for n in e["ms"]} == {"linear", "conv", "f32-upcast"}
+
+
 # --- selection ---------------------------------------------------------------------
 
 

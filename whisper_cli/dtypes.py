@@ -52,9 +52,12 @@ F32_EXCEPTIONS: dict[str, str] = {
     "CPU kernels": (
         "kernels.py's matmul/blocked attention computes q k^T, the softmax and the product "
         "with v in float32 tiles for f16/bf16 inputs (as SDPA's CPU kernel accumulates in "
-        "float32: half-precision scores have 7x its error), and its f32-blocks vocabulary "
-        "projection upcasts weight blocks into one float32 buffer; both round their result "
-        "once to the run dtype. The timing that chooses them runs on synthetic tensors."
+        "float32: half-precision scores have 7x its error); its f32-blocks vocabulary "
+        "projection upcasts weight blocks into one float32 buffer; its f32-upcast linear "
+        "layers and convolutions take float32 copies of f16/bf16 inputs and weights for one "
+        "call (a half GEMM accumulating in float32, on CPUs with no native one). All round "
+        "their result once to the run dtype. The timing that chooses them runs on synthetic "
+        "tensors."
     ),
     "sampling noise": (
         "the Gumbel noise of a fallback draw (decoding.gumbel_noise) is made in float32 "

@@ -1,8 +1,15 @@
-"""Attention and the vocabulary projection, each run by the implementation that is
-fastest on this machine, chosen by measurement rather than by assumption.
+"""Attention, the vocabulary projection, linear layers and convolutions, each run by the
+implementation that is fastest on this machine, chosen by measurement rather than by
+assumption.
 
-Why: which kernel is fastest depends on the CPU and the dtype, by factors of 2 to 3.
+Why: which kernel is fastest depends on the CPU and the dtype, by factors of 2 to 60.
 Measured with torch 2.13, 2 threads (ms per call, scripts/kernel_timings.py):
+
+* AMD EPYC Zen 3 (AVX2 only), bf16 through torch's own path against float32 copies of
+  the inputs (one rounding of the result, "f32-upcast"): tiny's encoder fc1 at 1536 rows
+  141 ms against 19, its conv2 on one window 777 against 12: a bf16 window's encoder
+  2.3 s against 0.47 (f32: 0.45). The f32 vocabulary projection through a oneDNN weight
+  packed once ("packed"): 6.8 / 8.0 / 11.9 ms at M 1 / 5 / 16 against 12.4 / 22.9 / 22.3.
 
 * AMD EPYC Zen 4 (avx512_bf16, no AMX), issue 12: decode cross-attention (B 16, H 6,
   1 query, 1500 keys, D 64) takes 3.0 ms per layer with `scaled_dot_product_attention`
@@ -20,7 +27,8 @@ So each call picks, per (CPU model, torch version, threads, dtype, shape class, 
 bucket), the fastest of a few implementations, timed once on synthetic tensors of that
 shape (interleaved rounds, fastest call of each, `time_candidates`) and remembered in
 memory and in a JSON file (`kernels_cache_path()`). On CUDA, and while torch.compile
-traces, the reference implementations run (SDPA, `hidden @ weight.T`), with no timing.
+traces, the reference implementations run (SDPA, `hidden @ weight.T`, F.linear,
+F.conv1d), with no timing; f32 linear layers and convolutions have the reference alone.
 
 Exactness: every implementation is as close to a float64 reference as SDPA or closer.
 Rounding attention scores to bf16 is not (7x SDPA's error with peaked scores), so for
@@ -262,6 +270,58 @@ LOGITS: dict[str, Logits] = {
 }
 
 
+# --- linear layers and convolutions -----------------------------------------------------
+# Every nn.Linear and nn.Conv1d of the model (model.Linear, model.Conv1d) calls these.
+
+
+def _linear_f32(x, weight, bias):
+    """x W^T + b in float32 from f16/bf16 inputs, the result rounded once: what a half GEMM
+    accumulating in f32 computes (products of bf16 or f16 values are exact in f32), at f32
+    GEMM speed on CPUs without native half GEMMs (Zen 3, AVX2 only, bf16 encoder fc1 of
+    tiny at M 3000: 290 ms through torch's bf16 path). The f32 copies live for one call."""
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), weight.float(), b).to(x.dtype)
+
+
+LINEAR: dict[str, Callable] = {"linear": F.linear, "f32-upcast": _linear_f32}
+
+
+def _conv1d_f32(x, weight, bias, stride, padding):
+    """The convolution in float32 from f16/bf16 inputs, rounded once (see _linear_f32):
+    torch's bf16 convolution on AVX2 is its slow reference loop (tiny's encoder conv2,
+    two windows: 1.16 s)."""
+    b = None if bias is None else bias.float()
+    return F.conv1d(x.float(), weight.float(), b, stride, padding).to(x.dtype)
+
+
+CONV1D: dict[str, Callable] = {
+    "conv": lambda x, weight, bias, stride, padding: F.conv1d(x, weight, bias, stride, padding),
+    "f32-upcast": _conv1d_f32,
+}
+
+
+def upcast_candidates(kind: str, dtype: torch.dtype) -> tuple[str, ...]:
+    """Implementations timed for a linear layer or convolution: the reference alone in
+    f32 (nothing to time), and the f32 upcast beside it for f16/bf16."""
+    names = tuple(LINEAR if kind == "linear" else CONV1D)
+    return names[:1] if dtype == torch.float32 else names
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear(x, weight, bias) by the fastest implementation for its dtype and shape."""
+    if x.dtype == torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
+    return LINEAR[_selector().linear_choice(x, weight)](x, weight, bias)
+
+
+def conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int, padding: int) -> Tensor:
+    """F.conv1d(x, weight, bias, stride, padding) by the fastest implementation here."""
+    if x.dtype == torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling():
+        return F.conv1d(x, weight, bias, stride, padding)
+    choice = _selector().conv1d_choice(x, weight, stride, padding)
+    return CONV1D[choice](x, weight, bias, stride, padding)
+
+
 def logits_candidates(dtype: torch.dtype) -> tuple[str, ...]:
     """Implementations timed for the projection: all of them, "packed" where oneDNN
     packs this dtype on this CPU."""
@@ -439,6 +499,38 @@ class _Selector:
             self.memo[key] = choice
         return choice
 
+    def linear_choice(self, x, weight) -> str:
+        n, k = weight.shape
+        m = x.numel() // k
+        key = ("linear", x.dtype, m, n, k, torch.get_num_threads())
+        choice = self.memo.get(key)
+        if choice is None:
+            # Rows per call: up to a prompt's, by powers of two; an encoder's alike (costs
+            # per row are flat there), timed at one window's 1500 rows.
+            rows = _pow2(m) if m < ENCODER_ROWS else 1536
+            name = f"linear/{dtype_name(x.dtype)}/M{rows}xN{n}xK{k}"
+            cands = upcast_candidates("linear", x.dtype)
+            choice = self._choose(name, cands, lambda: _linear_runs(cands, rows, weight))
+            self.memo[key] = choice
+        return choice
+
+    def conv1d_choice(self, x, weight, stride: int, padding: int) -> str:
+        c_out, c_in, width = weight.shape
+        length = x.shape[-1]
+        key = ("conv1d", x.dtype, x.shape[0], c_in, c_out, width, length, stride, padding)
+        key = (*key, torch.get_num_threads())
+        choice = self.memo.get(key)
+        if choice is None:  # timed on one row (the batch only multiplies the cost)
+            n = _bucket(length)
+            name = f"conv1d/{dtype_name(x.dtype)}/Cin{c_in}xCout{c_out}xW{width}xL{n}"
+            name += f"/s{stride}p{padding}"
+            cands = upcast_candidates("conv1d", x.dtype)
+            choice = self._choose(
+                name, cands, lambda: _conv1d_runs(cands, n, weight, stride, padding)
+            )
+            self.memo[key] = choice
+        return choice
+
     def _choose(self, name: str, cands: tuple[str, ...], runs) -> str:
         if self.mode == "reference":
             return cands[0]
@@ -512,6 +604,21 @@ def _logits_runs(cands, m: int, weight: Tensor) -> dict[str, Callable[[], object
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         runs["packed"] = lambda: _logits_packed(hidden, weight, packed)
     return runs
+
+
+def _linear_runs(cands, m: int, weight: Tensor) -> dict[str, Callable[[], object]]:
+    """Calls of each candidate on the real weight, no bias (its add costs alike), and
+    random rows of its input."""
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device, generator=g)
+    return {n: (lambda f=LINEAR[n]: f(x, weight, None)) for n in cands}
+
+
+def _conv1d_runs(cands, length: int, weight: Tensor, stride: int, padding: int):
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    shape = (1, weight.shape[1], length)
+    x = torch.randn(shape, dtype=weight.dtype, device=weight.device, generator=g)
+    return {n: (lambda f=CONV1D[n]: f(x, weight, None, stride, padding)) for n in cands}
 
 
 _MACHINE: str | None = None

@@ -83,14 +83,29 @@ class Table(nn.Embedding):
         pass  # filled by the strict load
 
 
+class Linear(nn.Linear):
+    """nn.Linear (the same parameters) run by kernels.linear: the fastest GEMM for its
+    dtype on this CPU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
+class Conv1d(nn.Conv1d):
+    """nn.Conv1d (the same parameters) run by kernels.conv1d."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.conv1d(x, self.weight, self.bias, self.stride[0], self.padding[0])
+
+
 class Attention(nn.Module):
     def __init__(self, d_model: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.k_proj = nn.Linear(d_model, d_model, bias=False)  # Whisper's keys have no bias
-        self.v_proj = nn.Linear(d_model, d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+        self.q_proj = Linear(d_model, d_model)
+        self.k_proj = Linear(d_model, d_model, bias=False)  # Whisper's keys have no bias
+        self.v_proj = Linear(d_model, d_model)
+        self.out_proj = Linear(d_model, d_model)
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape  # (B, T, C) -> (B, H, T, D)
@@ -170,8 +185,8 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(d_model, heads)
         self.self_attn_layer_norm = nn.LayerNorm(d_model)
-        self.fc1 = nn.Linear(d_model, ffn)
-        self.fc2 = nn.Linear(ffn, d_model)
+        self.fc1 = Linear(d_model, ffn)
+        self.fc2 = Linear(ffn, d_model)
         self.final_layer_norm = nn.LayerNorm(d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,8 +201,8 @@ class DecoderLayer(nn.Module):
         self.self_attn_layer_norm = nn.LayerNorm(d_model)
         self.encoder_attn = Attention(d_model, heads)
         self.encoder_attn_layer_norm = nn.LayerNorm(d_model)
-        self.fc1 = nn.Linear(d_model, ffn)
-        self.fc2 = nn.Linear(ffn, d_model)
+        self.fc1 = Linear(d_model, ffn)
+        self.fc2 = Linear(ffn, d_model)
         self.final_layer_norm = nn.LayerNorm(d_model)
 
     def forward(
@@ -221,8 +236,8 @@ class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         c = cfg.d_model
-        self.conv1 = nn.Conv1d(cfg.num_mel_bins, c, kernel_size=3, padding=1)
-        self.conv2 = nn.Conv1d(c, c, kernel_size=3, stride=2, padding=1)
+        self.conv1 = Conv1d(cfg.num_mel_bins, c, kernel_size=3, padding=1)
+        self.conv2 = Conv1d(c, c, kernel_size=3, stride=2, padding=1)
         self.embed_positions = Table(cfg.max_source_positions, c)
         self.layers = nn.ModuleList(
             EncoderLayer(c, cfg.encoder_attention_heads, cfg.encoder_ffn_dim)
