@@ -1,7 +1,8 @@
 """Per-kernel CPU timings at Whisper's real shapes, and what whisper_cli.kernels picks.
 
     OMP_WAIT_POLICY=PASSIVE python scripts/kernel_timings.py [--models tiny.en,base,large-v3]
-        [--dtypes f32,bf16] [--only decode-cross,decode-self,encoder,logits] [--cache]
+        [--dtypes f32,bf16] [--cache]
+        [--only decode-cross,decode-self,encoder,logits,linear-encoder,linear-decode,conv]
 
 For each model, dtype and kernel, every implementation is timed by the selector's own
 protocol (kernels.time_candidates: one warm-up each, then calls in turn for at least
@@ -11,8 +12,10 @@ shape bucket, on a fresh cache file unless --cache, which uses and fills the rea
 Shapes: decode cross-attention B 16 x 1 query x 1500 keys, decode self-attention over
 240 cache slots, the encoder's self-attention 1500 x 1500 per window (B 1; a batch of 16
 windows costs 16x), the tied vocabulary projection at M 16 (one token of 16 rows),
-V 51865. The best rate is GFLOP/s for the encoder, GB/s of K and V (or of the table)
-read for the rest.
+V 51865, the MLP's first layer (C -> 4C) at one window's 1536 rows and at one token of
+16 rows, and the encoder's second convolution (C -> C, stride 2) on one window. The best
+rate is GFLOP/s for the encoder's kernels, GB/s of K and V (or of the weight) read for
+the rest.
 """
 
 from __future__ import annotations
@@ -32,7 +35,15 @@ from whisper_cli import kernels
 # name: (d_model, heads); head dim 64 in all Whisper sizes.
 MODELS = {"tiny.en": (384, 6), "base": (512, 8), "small": (768, 12), "large-v3": (1280, 20)}
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-KERNELS = ("decode-cross", "decode-self", "encoder", "logits")
+KERNELS = (
+    "decode-cross",
+    "decode-self",
+    "encoder",
+    "logits",
+    "linear-encoder",
+    "linear-decode",
+    "conv",
+)
 VOCAB, BATCH, FRAMES, SELF_LEN, HEAD_DIM = 51865, 16, 1500, 240, 64
 
 
@@ -72,11 +83,35 @@ def logits_case(d_model: int, dtype: torch.dtype):
     hidden = torch.randn(BATCH, 1, d_model).to(dtype)
     weight = (torch.randn(VOCAB, d_model) * 0.05).to(dtype)
     weight_t = weight.T.contiguous()  # costs a second copy of the table: informational
-    impls = {n: (lambda f=kernels.LOGITS[n]: f(hidden, weight)) for n in kernels.LOGITS}
+    names = kernels.logits_candidates(dtype)
+    impls = {n: (lambda f=kernels.LOGITS[n]: f(hidden, weight)) for n in names}
     impls["transposed-copy(info)"] = lambda: hidden @ weight_t
     rate = (weight.numel() * weight.element_size(), "GB/s")  # the table, read once
     shape = f"M{BATCH} C{d_model} V{VOCAB}"
     return impls, (lambda: kernels.logits_choice(hidden, weight)), rate, shape, "matmul"
+
+
+def linear_case(d_model: int, dtype: torch.dtype, rows: int):
+    x = torch.randn(rows, d_model).to(dtype)
+    weight = (torch.randn(4 * d_model, d_model) * 0.05).to(dtype)
+    names = kernels.upcast_candidates("linear", dtype)
+    impls = {n: (lambda f=kernels.LINEAR[n]: f(x, weight, None)) for n in names}
+    if rows >= kernels.ENCODER_ROWS:
+        rate = (2 * rows * weight.numel(), "GFLOP/s")
+    else:
+        rate = (weight.numel() * weight.element_size(), "GB/s")
+    shape = f"M{rows} K{d_model} N{4 * d_model}"
+    return impls, (lambda: kernels._selector().linear_choice(x, weight)), rate, shape, "linear"
+
+
+def conv_case(d_model: int, dtype: torch.dtype):
+    x = torch.randn(1, d_model, 2 * FRAMES).to(dtype)
+    weight = (torch.randn(d_model, d_model, 3) * 0.05).to(dtype)
+    names = kernels.upcast_candidates("conv1d", dtype)
+    impls = {n: (lambda f=kernels.CONV1D[n]: f(x, weight, None, 2, 1)) for n in names}
+    rate = (2 * FRAMES * weight.numel(), "GFLOP/s")
+    shape = f"C{d_model} L{2 * FRAMES} W3 stride 2"
+    return impls, (lambda: kernels._selector().conv1d_choice(x, weight, 2, 1)), rate, shape, "conv"
 
 
 def row(case, reps: int) -> str:
@@ -123,13 +158,19 @@ def main(argv: list[str] | None = None) -> int:
                 for kernel in args.only.split(","):
                     if kernel == "logits":
                         case = logits_case(d_model, DTYPES[dname])
+                    elif kernel.startswith("linear"):
+                        rows = 1536 if kernel == "linear-encoder" else BATCH
+                        case = linear_case(d_model, DTYPES[dname], rows)
+                    elif kernel == "conv":
+                        case = conv_case(d_model, DTYPES[dname])
                     else:
                         case = attention_case(kernel, heads, DTYPES[dname])
                     print(f"| {kernel} | {model} | {dname} | {row(case, args.reps)}", flush=True)
     print(
         f"\n{time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at end. "
         "`*`: one warm-up call only (4x slower than the best warm-up). ref/pick: the "
-        "reference's time (sdpa, `@`) over the pick's, in this table's own timing."
+        "reference's time (sdpa, `@`, F.linear, F.conv1d) over the pick's, in this table's "
+        "own timing."
     )
     return 0
 

@@ -239,13 +239,18 @@ def packable(dtype: torch.dtype) -> bool:
     return _PACKABLE[dtype]
 
 
+def _version(weight: Tensor) -> int:
+    """Its in-place version; an inference tensor (made under inference_mode) keeps none."""
+    return -1 if weight.is_inference() else weight._version
+
+
 def _packed(weight: Tensor) -> Tensor:
     key = id(weight)
     entry = _PACKED.get(key)
-    if entry is None or entry[0]() is not weight or entry[1] != weight._version:
+    if entry is None or entry[0]() is not weight or entry[1] != _version(weight):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         ref = weakref.ref(weight, lambda _: _PACKED.pop(key, None))
-        entry = _PACKED[key] = (ref, weight._version, packed)
+        entry = _PACKED[key] = (ref, _version(weight), packed)
     return entry[2]
 
 
