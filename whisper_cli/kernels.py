@@ -78,6 +78,7 @@ UPCAST_TILE_BYTES = 16 << 20
 LOGIT_BLOCK_ROWS = 1024
 # Queries at least this long are the encoder's shape class (the decoder has at most 448).
 ENCODER_ROWS = 512
+CONV_TIMING_LENGTH = 512  # frames a convolution is timed on (see conv1d_choice)
 # Timing: most elements of one synthetic K tensor (the batch is cut to fit). Each
 # candidate is warmed up once (one TIMING_CUTOFF times slower than the best warm-up is
 # dropped there), then the rest are called in turn, round after round (a load burst on a
@@ -510,9 +511,10 @@ class _Selector:
         key = ("linear", x.dtype, m, n, k, torch.get_num_threads())
         choice = self.memo.get(key)
         if choice is None:
-            # Rows per call: up to a prompt's, by powers of two; an encoder's alike (costs
-            # per row are flat there), timed at one window's 1500 rows.
-            rows = _pow2(m) if m < ENCODER_ROWS else 1536
+            # Rows per call: by powers of two up to ENCODER_ROWS, then alike (costs per
+            # row are flat there), timed at ENCODER_ROWS: a slow reference's one timed
+            # call (a new machine's first run) costs a third of a window's.
+            rows = min(_pow2(m), ENCODER_ROWS)
             name = f"linear/{dtype_name(x.dtype)}/M{rows}xN{n}xK{k}"
             cands = upcast_candidates("linear", x.dtype)
             choice = self._choose(name, cands, lambda: _linear_runs(cands, rows, weight))
@@ -525,8 +527,11 @@ class _Selector:
         key = ("conv1d", x.dtype, x.shape[0], c_in, c_out, width, length, stride, padding)
         key = (*key, torch.get_num_threads())
         choice = self.memo.get(key)
-        if choice is None:  # timed on one row (the batch only multiplies the cost)
-            n = _bucket(length)
+        if choice is None:
+            # Timed on one row of at most CONV_TIMING_LENGTH frames (the batch and the
+            # length only multiply the cost): large-v3's bf16 conv2 through torch's own
+            # path on Zen 3 took 26 s a window, paid once by a new machine's first run.
+            n = min(_bucket(length), CONV_TIMING_LENGTH)
             name = f"conv1d/{dtype_name(x.dtype)}/Cin{c_in}xCout{c_out}xW{width}xL{n}"
             name += f"/s{stride}p{padding}"
             cands = upcast_candidates("conv1d", x.dtype)
