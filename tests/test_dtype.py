@@ -78,6 +78,8 @@ def test_every_tensor_of_a_run_has_the_chosen_dtype(
     # The run really went through the model: convolutions, attention, matmuls, norms.
     for op in ("conv1d", "layer_norm", "linear", "index_copy_"):
         assert any(op in o for o in ops), (op, sorted(ops))
+    # Attention by whichever kernel was chosen: SDPA, or the f32 tiles of matmul/blocked.
+    assert any("scaled_dot_product" in o or "_attend_f32" in o for o in ops), sorted(ops)
     if word_timestamps:  # the alignment pass ran, in this dtype
         assert any(s.words for s in result.segments)
     if clip_seconds is None:

@@ -161,12 +161,15 @@ def test_packed_logits_follow_their_weight():
     and dropped with the weight."""
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(3000, 64, generator=g)
+    copies = []
     for m in (1, 5, 16):
         hidden = torch.randn(m, 1, 64, generator=g)
         torch.testing.assert_close(kernels.LOGITS["packed"](hidden, weight), hidden @ weight.T)
-    assert len([k for k in kernels._PACKED if k == id(weight)]) == 1
+        copies.append(kernels._PACKED[id(weight)][2])
+    assert copies[0] is copies[1] is copies[2]  # packed once, for every M
     weight.mul_(2)  # a new version: the old copy must not be used
     torch.testing.assert_close(kernels.LOGITS["packed"](hidden, weight), hidden @ weight.T)
+    assert kernels._PACKED[id(weight)][2] is not copies[0]
     key = id(weight)
     del weight
     assert key not in kernels._PACKED
@@ -176,8 +179,20 @@ def test_packed_logits_follow_their_weight():
 
 
 def test_packed_is_offered_only_where_onednn_packs_the_dtype():
+    """Offered: it runs and matches in that dtype. Not offered: oneDNN refuses to pack."""
+    assert kernels.packable(torch.float32) == torch.backends.mkldnn.is_available()
+    g = torch.Generator().manual_seed(8)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert ("packed" in kernels.logits_candidates(dtype)) == kernels.packable(dtype)
+        hidden = torch.randn(4, 1, 64, generator=g).to(dtype)
+        weight = torch.randn(500, 64, generator=g).to(dtype)
+        if "packed" in kernels.logits_candidates(dtype):
+            out = kernels.LOGITS["packed"](hidden, weight)
+            assert out.dtype == dtype
+            ref = hidden.double() @ weight.double().T
+            assert rel_err(out, ref) <= 1.5 * rel_err(hidden @ weight.T, ref) + 1e-7
+        else:
+            with pytest.raises(RuntimeError):
+                torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
 def test_f32_blocks_logits_at_real_size():

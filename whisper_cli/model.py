@@ -92,7 +92,12 @@ class Linear(nn.Linear):
 
 
 class Conv1d(nn.Conv1d):
-    """nn.Conv1d (the same parameters) run by kernels.conv1d."""
+    """nn.Conv1d (the same parameters) run by kernels.conv1d: stride and padding only
+    (Whisper's convolutions have no dilation or groups)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        assert self.dilation == (1,) and self.groups == 1 and self.padding_mode == "zeros"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.conv1d(x, self.weight, self.bias, self.stride[0], self.padding[0])
