@@ -306,23 +306,14 @@ class Transcriber:
     def _ahead(self, batch: list[_Job], spare: int) -> list[_Job]:
         """Up to `spare` later attempts of the batch's retries, their next temperature
         first, round robin: rows that would otherwise decode nothing (or padding)."""
-        last = len(self.policy.temperatures) - 1
-        waiting = [[j, j.attempt] for j in batch if j.features is not None]  # retries
-        extra: list[_Job] = []
-        while spare > len(extra) and any(a < last for _, a in waiting):
-            for entry in waiting:
-                job, attempt = entry
-                if attempt < last and spare > len(extra):
-                    entry[1] = attempt + 1
-                    extra.append(
-                        _Job(
-                            job.window,
-                            attempt + 1,
-                            job.language,
-                            features=job.features,
-                            ahead_of=job,
-                        )
-                    )
+        n = len(self.policy.temperatures)
+        retries = [j for j in batch if j.features is not None]
+        # Round r holds each retry's (r + 1)-th attempt after its own, where it has one.
+        rounds = [(j, j.attempt + r) for r in range(1, n) for j in retries if j.attempt + r < n]
+        extra = [
+            _Job(job.window, a, job.language, features=job.features, ahead_of=job)
+            for job, a in rounds[: max(spare, 0)]
+        ]
         self.counters.ahead += len(extra)
         return extra
 
