@@ -31,7 +31,7 @@ def test_exceptions_are_listed():
         "speech detector",
         "log-softmax over logits",
         "CPU kernels",
-        "sampling noise",
+        "sampling draw",
         "word-timing cost",
     }
 

@@ -158,3 +158,36 @@ def test_best_candidate_when_every_temperature_fails(tiny_en, transcriber) -> No
     # Among those that are not repetitive, the best average log-prob (faster-whisper's rule).
     assert t._best([looping, unsure, less_unsure, unsure]) is less_unsure
     assert t._best([looping, looping]) is looping  # none is fine: the best of all
+
+
+def test_draws_follow_the_tempered_softmax_and_never_a_suppressed_token() -> None:
+    from whisper_cli.decoding import draw, uniform
+
+    n = 40_000
+    logits = torch.tensor([2.0, 0.5, float("-inf"), 1.0, -1.0, float("-inf")]).expand(n, -1)
+    temperature = torch.full((n,), 0.7)
+    tokens = draw(logits, temperature, uniform(torch.arange(n), torch.tensor(3)))
+    counts = torch.bincount(tokens, minlength=6).double()
+    expected = torch.softmax(logits[0].double() / 0.7, dim=0) * n
+    assert counts[2] == 0 and counts[5] == 0  # -inf: never, the vocabulary's end included
+    sigma = (expected * (1 - expected / n)).sqrt()
+    assert ((counts - expected).abs() <= 5 * sigma + 1e-9).all(), (counts, expected)
+    # The extreme uniforms land on tokens with mass of their own.
+    edges = torch.tensor([1 - 2.0**-25, 2.0**-25])
+    assert draw(logits[:2], temperature[:2], edges).tolist() == [4, 0]
+    # Far from the edges, a very low temperature is the argmax.
+    cold = draw(logits[:2], torch.full((2,), 1e-3), torch.tensor([0.3, 0.9]))
+    assert cold.tolist() == [0, 0]
+
+
+def test_a_rows_uniform_depends_on_its_seed_and_step_alone() -> None:
+    from whisper_cli.decoding import uniform
+
+    seeds = torch.tensor([0, 1, 2**32 - 1, 123456789])
+    u = uniform(seeds, torch.tensor(7))
+    assert u.dtype == torch.float32 and ((u > 0) & (u < 1)).all()
+    assert torch.equal(uniform(seeds.flip(0), torch.tensor(7)), u.flip(0))  # no row order
+    assert torch.equal(uniform(seeds[1:2], torch.tensor(7)), u[1:2])  # nor batch size
+    assert not torch.equal(uniform(seeds, torch.tensor(8)), u)  # a new step, new draws
+    many = uniform(torch.arange(100_000), torch.tensor(0))
+    assert abs(many.mean().item() - 0.5) < 0.005 and len(many.unique()) > 99_000

@@ -12,6 +12,7 @@ where a tensor changes dtype can be read in one screen:
                     encoder in the run dtype.
 * `f32_log_softmax`, `f32_logsumexp`, `f32_logprob_sums` - the listed float32
                     exception for probabilities over logits and their running sums.
+* `f32_softmax`   - the sampling draw's distribution (listed exception).
 * `f32_alignment_weights` - word timing: alignment-head attention weights (computed in
                     the run dtype) normalised, median-filtered and warped in float32.
 """
@@ -59,10 +60,11 @@ F32_EXCEPTIONS: dict[str, str] = {
         "their result once to the run dtype. The timing that chooses them runs on synthetic "
         "tensors."
     ),
-    "sampling noise": (
-        "the Gumbel noise of a fallback draw (decoding.gumbel_noise) is made in float32 "
-        "from integer hashes and cast to the run dtype before it meets the logits: a "
-        "half-precision uniform rounds to 1, whose noise is infinite."
+    "sampling draw": (
+        "a fallback draw (decoding.draw) takes softmax(logits / T) by f32_softmax(), its "
+        "cumulative sum and the row's uniform (decoding.uniform, from integer hashes) in "
+        "float32: a half-precision uniform rounds to 1 and a half cumulative sum over the "
+        "vocabulary stalls. Only token ids leave it."
     ),
     "word-timing cost": (
         "the alignment heads' attention weights are computed in the run dtype; their "
@@ -188,6 +190,12 @@ def f32_logsumexp(logits: torch.Tensor) -> torch.Tensor:
     """log(sum(exp(logits))) over the last dim in float32, the log-softmax normaliser
     (same listed exception): a token's log-prob is its logit less this."""
     return torch.logsumexp(logits.float(), dim=-1)
+
+
+def f32_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """softmax(logits / temperature) over the last dim in float32, the sampling draw's
+    distribution (listed exception "sampling draw")."""
+    return torch.softmax(logits.float() / temperature, dim=-1)
 
 
 def f32_logprob_sums(rows: int, device: torch.device) -> torch.Tensor:
