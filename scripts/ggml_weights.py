@@ -35,34 +35,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from whisper_cli.features import mel_filters  # noqa: E402  (the repo, not an installed copy)
+from whisper_cli.tools.names import openai_name  # noqa: E402
 
 GGML_MAGIC = 0x67676D6C
 
-# HF module names -> openai-whisper's, which whisper.cpp's tensor names follow.
-_LAYER_PARTS = {
-    "self_attn.q_proj": "attn.query",
-    "self_attn.k_proj": "attn.key",
-    "self_attn.v_proj": "attn.value",
-    "self_attn.out_proj": "attn.out",
-    "self_attn_layer_norm": "attn_ln",
-    "encoder_attn.q_proj": "cross_attn.query",
-    "encoder_attn.k_proj": "cross_attn.key",
-    "encoder_attn.v_proj": "cross_attn.value",
-    "encoder_attn.out_proj": "cross_attn.out",
-    "encoder_attn_layer_norm": "cross_attn_ln",
-    "fc1": "mlp.0",
-    "fc2": "mlp.2",
-    "final_layer_norm": "mlp_ln",
-}
-_TOP_LEVEL = {
-    "encoder.embed_positions.weight": "encoder.positional_embedding",
-    "encoder.layer_norm.weight": "encoder.ln_post.weight",
-    "encoder.layer_norm.bias": "encoder.ln_post.bias",
-    "decoder.embed_positions.weight": "decoder.positional_embedding",
-    "decoder.embed_tokens.weight": "decoder.token_embedding.weight",
-    "decoder.layer_norm.weight": "decoder.ln.weight",
-    "decoder.layer_norm.bias": "decoder.ln.bias",
-}
 # Kept f32 although 2-D: whisper.cpp creates these tensors as GGML_TYPE_F32.
 _F32_ALWAYS = {
     "encoder.conv1.bias",
@@ -76,14 +52,7 @@ def ggml_name(hf_name: str) -> str | None:
     """whisper.cpp's tensor name for an HF state-dict key; None for the tied output projection."""
     if hf_name == "proj_out.weight":
         return None  # tied to the token embedding; whisper.cpp has no such tensor
-    name = hf_name.removeprefix("model.")
-    if name in _TOP_LEVEL:
-        return _TOP_LEVEL[name]
-    parts = name.split(".")
-    if parts[1] != "layers":
-        return name  # encoder.conv1.weight and the like keep their names
-    stack, index, module, leaf = parts[0], parts[2], ".".join(parts[3:-1]), parts[-1]
-    return f"{stack}.blocks.{index}.{_LAYER_PARTS[module]}.{leaf}"
+    return openai_name(hf_name)
 
 
 def _byte_decoder() -> dict[str, int]:

@@ -7,44 +7,10 @@ loaded model's state dict is renamed to openai-whisper's and loaded strictly int
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import torch
 
-_LAYER = {
-    "self_attn.q_proj": "attn.query",
-    "self_attn.k_proj": "attn.key",
-    "self_attn.v_proj": "attn.value",
-    "self_attn.out_proj": "attn.out",
-    "self_attn_layer_norm": "attn_ln",
-    "encoder_attn.q_proj": "cross_attn.query",
-    "encoder_attn.k_proj": "cross_attn.key",
-    "encoder_attn.v_proj": "cross_attn.value",
-    "encoder_attn.out_proj": "cross_attn.out",
-    "encoder_attn_layer_norm": "cross_attn_ln",
-    "fc1": "mlp.0",
-    "fc2": "mlp.2",
-    "final_layer_norm": "mlp_ln",
-}
-_TOP = {
-    "encoder.embed_positions.weight": "encoder.positional_embedding",
-    "encoder.layer_norm": "encoder.ln_post",
-    "decoder.embed_tokens": "decoder.token_embedding",
-    "decoder.embed_positions.weight": "decoder.positional_embedding",
-    "decoder.layer_norm": "decoder.ln",
-}
-
-
-def _rename(name: str) -> str:
-    m = re.match(r"(encoder|decoder)\.layers\.(\d+)\.(.+)\.(weight|bias)$", name)
-    if m:
-        side, index, part, kind = m.groups()
-        return f"{side}.blocks.{index}.{_LAYER[part]}.{kind}"
-    for ours, theirs in _TOP.items():
-        if name.startswith(ours):
-            return theirs + name[len(ours) :]
-    return name  # conv1, conv2
+from whisper_cli.tools.names import openai_name
 
 
 def reference_model(loaded):
@@ -67,7 +33,7 @@ def reference_model(loaded):
         n_text_layer=cfg.decoder_layers,
     )
     model = Whisper(dims)
-    state = {_rename(k): v.float().cpu() for k, v in loaded.model.state_dict().items()}
+    state = {openai_name(k): v.float().cpu() for k, v in loaded.model.state_dict().items()}
     model.load_state_dict(state, strict=True)
     mask = torch.zeros(cfg.decoder_layers, cfg.decoder_attention_heads, dtype=torch.bool)
     for layer, heads in alignment_heads(loaded).items():

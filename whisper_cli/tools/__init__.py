@@ -5,6 +5,7 @@
 * `evaluate`  - word (or character) error rate of a manifest of reference transcripts.
 * `reference` - transformers' Whisper on the same windows, the reference `bench` compares to.
 * `convert`   - the CTranslate2 (faster-whisper) importer into the Hugging Face layout.
+* `names`     - HF parameter names -> openai-whisper's (the ggml writer, the test reference).
 
 They live apart so that the engine stays small and reads in one pass: the transcription
 path (options, audio, speech, windows, pipeline, decoding, model) never imports this
