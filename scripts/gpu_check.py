@@ -89,11 +89,11 @@ BENCH = {
 
 # Planned times are guesses for an H200 (no GPU was lent while this was written): a
 # compiled large-v3 configuration is mostly its compile (32 decoder layers), a bench run
-# itself about a second. The stages up to the encoder are planned at ~440 s of the 465 s
+# itself about a second. The stages up to the encoder are planned at ~460 s of the 465 s
 # budget; the limits stop a stage that hangs or compiles far longer than planned.
 PLAN = (
     Stage("setup", 75, 40, 30, "environment; random-weight large-v3 and turbo; audio; windows"),
-    Stage("parity-turbo", 120, 60, 70, "teacher-forced logits, CPU f32 vs eager vs compiled"),
+    Stage("parity-turbo", 150, 75, 90, "teacher-forced logits, CPU f32 vs eager vs compiled"),
     Stage("dtype", 60, 25, 20, "dtype recorder over whole bf16 and f16 runs, on the device"),
     Stage("bench-large-v3-bf16-compiled", 120, 60, 80, "headline: target RTFx >= 1000"),
     Stage("bench-large-v3-f32-compiled", 110, 60, 75, "bf16 >= 1.6x f32"),
@@ -451,8 +451,12 @@ class Forcing:
         return forced_choose
 
 
-def forced_decode(loaded, mel, steps: int, compiled: bool, forced=None, runs: int = 1):
-    """(logits (B, steps, V), chosen (B, steps), encoder output) on the CPU, and timings."""
+def forced_decode(
+    loaded, mel, steps: int, compiled: bool, forced=None, runs: int = 1, temperature: float = 0.0
+):
+    """(logits (B, steps, V), chosen (B, steps), encoder output) on the CPU, and timings.
+
+    temperature > 0: every row draws (the engine's sampled step, seeded by its row)."""
     from whisper_cli import decoding
     from whisper_cli.decoding import DecodeOptions
     from whisper_cli.engine import Engine
@@ -471,7 +475,10 @@ def forced_decode(loaded, mel, steps: int, compiled: bool, forced=None, runs: in
         for _ in range(runs):
             sync(device)
             started = time.perf_counter()
-            engine.decode(features, language)
+            if temperature > 0:
+                engine.decode(features, language, None, [temperature] * rows, list(range(rows)))
+            else:
+                engine.decode(features, language)
             sync(device)
             walls.append(time.perf_counter() - started)
     finally:
@@ -489,6 +496,7 @@ def forced_decode(loaded, mel, steps: int, compiled: bool, forced=None, runs: in
 
 
 PARITY_PATHS = (("f32", False), ("f32", True), ("bf16", False), ("bf16", True))
+SAMPLED_TEMPERATURE = 1.0  # the fallback's last temperature: the widest draws
 
 
 def parity(
@@ -499,10 +507,15 @@ def parity(
     steps: int = 32,
     paths: tuple[tuple[str, bool], ...] = PARITY_PATHS,
     on_partial=None,
+    sampled: tuple[str, ...] = ("f32",),
 ) -> dict[str, Any]:
     """CPU f32 (free-running greedy: the reference tokens) against the device's engine on
     `paths` (dtype, compiled), all teacher-forced to the reference tokens. `clip`: real
-    speech (float32, 16 kHz), tiled into `rows` windows."""
+    speech (float32, 16 kHz), tiled into `rows` windows.
+
+    `sampled` dtypes also run the sampled step (the fallback's draws, at
+    SAMPLED_TEMPERATURE) eager and compiled, forced alike: the compiled graph must draw
+    the very tokens the eager step draws from the same logits."""
     import numpy as np
     import torch
 
@@ -562,12 +575,17 @@ def parity(
             out[name] = entry
             if on_partial:  # kept if a later path runs past the stage's limit
                 on_partial(out)
+        if dtype in sampled:
+            out[f"{device}_sampled_{dtype}"] = sampled_parity(loaded, mel, steps, ref_tokens)
+            if on_partial:
+                on_partial(out)
         out[f"{device}_{dtype}_load_s"] = round(load_s, 1)
         del loaded
         if device == "cuda":
             torch.cuda.empty_cache()
     f32 = [v for k, v in out.items() if "_f32_" in k and k != "cpu_f32" and isinstance(v, dict)]
     out["f32_tolerance"] = 1e-3
+    drawn = out.get(f"{device}_sampled_f32")
     out["f32_pass"] = bool(f32) and all(
         "error" not in v
         and v["vs_cpu_f32"]["max_abs_logit_diff"] <= 1e-3
@@ -575,12 +593,42 @@ def parity(
         and v.get("vs_eager", {"tokens_identical": True})["tokens_identical"]
         for v in f32
     )
+    if drawn is not None:  # the draws of the compiled graph are the eager step's
+        out["f32_pass"] = out["f32_pass"] and drawn.get("drawn_identical", False)
     bf16 = {
         k: v["vs_cpu_f32"]["token_agreement"]
         for k, v in out.items()
         if "_bf16_" in k and isinstance(v, dict) and "vs_cpu_f32" in v
     }
     out["bf16_token_agreement"] = bf16
+    return out
+
+
+def sampled_parity(loaded, mel, steps: int, forced) -> dict[str, Any]:
+    """The sampled step eager and compiled on the same model, teacher-forced to `forced`:
+    do the compiled graph's draws (a searchsorted over the float32 cumulative softmax)
+    equal the eager step's, in one graph?"""
+    import torch
+
+    out: dict[str, Any] = {"temperature": SAMPLED_TEMPERATURE}
+    drawn = {}
+    for compiled in (False, True):
+        name = "compiled" if compiled else "eager"
+        started = time.perf_counter()
+        try:
+            _, chosen, _, info = forced_decode(
+                loaded, mel, steps, compiled, forced, temperature=SAMPLED_TEMPERATURE
+            )
+        except Exception as exc:  # reported, and the other stages go on
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
+            traceback.print_exc()
+            return out
+        out[name] = {**info, "s": round(time.perf_counter() - started, 1)}
+        drawn[name] = chosen
+    out["drawn_identical"] = bool(torch.equal(drawn["compiled"], drawn["eager"]))
+    out["drawn_agreement"] = float((drawn["compiled"] == drawn["eager"]).float().mean())
+    # How often a draw differs from the forced (greedy f32) token: the draws are real ones.
+    out["drawn_not_greedy"] = float((drawn["eager"] != forced).float().mean())
     return out
 
 
@@ -591,8 +639,16 @@ def stage_parity(model: str) -> dict[str, Any]:
     def partial(out: dict[str, Any]) -> None:
         write_json(path, {"stage": f"parity-{model}", "status": "partial", "result": out})
 
+    # The sampled step once, on turbo's 4 decoder layers (large-v3's 32 compile longer).
+    sampled = ("f32",) if model == "turbo" else ()
     return parity(
-        models_dir() / model, device_name(), speech_clip(), rows, steps, on_partial=partial
+        models_dir() / model,
+        device_name(),
+        speech_clip(),
+        rows,
+        steps,
+        on_partial=partial,
+        sampled=sampled,
     )
 
 
@@ -846,6 +902,23 @@ def summarise(out_dir: Path) -> None:
                 f"| {key} | {c['max_abs_logit_diff']:.2e} | {c['token_agreement']:.4f} | {eager} "
                 f"| {v['graphs']} | {v['recompiles']} | {v['graph_breaks']} "
                 f"| {v['cudagraph_skips']} | {v['ms_per_step_last']} |"
+            )
+        for key, v in p.items():
+            if "_sampled_" not in key or not isinstance(v, dict):
+                continue
+            c = v.get("compiled", {})
+            errors = [
+                f"{n}: {v[n]['error'][:200]}"
+                for n in ("eager", "compiled")
+                if "error" in v.get(n, {})
+            ]
+            lines.append(
+                f"- {key} (T {v.get('temperature')}): compiled draws = eager "
+                f"**{v.get('drawn_identical', 'unfinished')}** (agreement "
+                f"{v.get('drawn_agreement')}, not greedy {v.get('drawn_not_greedy')}); "
+                f"graphs {c.get('graphs')}, breaks {c.get('graph_breaks')}, cudagraph skips "
+                f"{c.get('cudagraph_skips')}, {c.get('ms_per_step_last')} ms/step"
+                + "".join(f"; error {e}" for e in errors)
             )
     d = stages.get("dtype", {}).get("result")
     if d:

@@ -20,7 +20,7 @@ def gpu_check():
     del sys.modules["gpu_check"]
 
 
-def test_parity_stage_on_cpu(gpu_check, tmp_path):
+def test_parity_stage_on_cpu(gpu_check, tmp_path, monkeypatch):
     from whisper_cli.audio import load_audio
 
     model = gpu_check.make_model(
@@ -42,3 +42,17 @@ def test_parity_stage_on_cpu(gpu_check, tmp_path):
     # bf16 forced to the f32 tokens: mostly the same choices (the weights are confident).
     assert min(out["bf16_token_agreement"].values()) >= 0.5
     assert out["reference_max_abs_logit"] > 10  # the scaled embedding: confident logits
+    # The sampled step (fallback draws) compiled whole, drawing what the eager step draws.
+    drawn = out["cpu_sampled_f32"]
+    assert drawn["drawn_identical"] and drawn["drawn_agreement"] == 1.0
+    c = drawn["compiled"]
+    assert (c["graphs"], c["recompiles"], c["graph_breaks"]) == (1, 0, 0)
+    # The summary reports it, the sampled draws included.
+    work, out_dir = tmp_path / "work", tmp_path / "out"
+    work.mkdir(), out_dir.mkdir()
+    monkeypatch.setenv("GPU_CHECK_WORK", str(work))
+    gpu_check.write_json(work / "parity-turbo.json", {"status": "ok", "result": out})
+    gpu_check.summarise(out_dir)
+    summary = (out_dir / "summary.md").read_text()
+    assert "| cpu_f32_compiled | " in summary
+    assert "- cpu_sampled_f32 (T 1.0): compiled draws = eager **True**" in summary
