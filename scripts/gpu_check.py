@@ -89,7 +89,7 @@ BENCH = {
 
 # Planned times are guesses for an H200 (no GPU was lent while this was written): a
 # compiled large-v3 configuration is mostly its compile (32 decoder layers), a bench run
-# itself about a second. The stages up to the encoder are planned at ~460 s of the 465 s
+# itself about a second. The stages up to the encoder are planned at ~435 s of the 465 s
 # budget; the limits stop a stage that hangs or compiles far longer than planned.
 PLAN = (
     Stage("setup", 75, 40, 30, "environment; random-weight large-v3 and turbo; audio; windows"),
