@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import soundfile as sf
@@ -173,8 +175,17 @@ def test_draws_follow_the_tempered_softmax_and_never_a_suppressed_token() -> Non
     sigma = (expected * (1 - expected / n)).sqrt()
     assert ((counts - expected).abs() <= 5 * sigma + 1e-9).all(), (counts, expected)
     # The extreme uniforms land on tokens with mass of their own.
-    edges = torch.tensor([1 - 2.0**-25, 2.0**-25])
-    assert draw(logits[:2], temperature[:2], edges).tolist() == [4, 0]
+    edges = torch.tensor([1 - 2.0**-24, 2.0**-24, 1.0])
+    assert draw(logits[:3], temperature[:3], edges).tolist() == [4, 0, 0]  # 1.0: argmax
+    # A cumulative sum that is not flat across a suppressed token (as a parallel scan
+    # may round) still never draws it.
+    probs = torch.tensor([[0.5, 0.0, 0.5]])
+    uneven = torch.tensor([[0.5, 0.5000001, 1.0]])
+    with (
+        mock.patch.object(torch.Tensor, "cumsum", lambda self, dim: uneven),
+        mock.patch("whisper_cli.decoding.f32_softmax", lambda logits, t: probs),
+    ):
+        assert draw(probs, torch.ones(1), torch.tensor([0.5])).tolist() == [2]
     # Far from the edges, a very low temperature is the argmax.
     cold = draw(logits[:2], torch.full((2,), 1e-3), torch.tensor([0.3, 0.9]))
     assert cold.tolist() == [0, 0]
@@ -186,6 +197,11 @@ def test_a_rows_uniform_depends_on_its_seed_and_step_alone() -> None:
     seeds = torch.tensor([0, 1, 2**32 - 1, 123456789])
     u = uniform(seeds, torch.tensor(7))
     assert u.dtype == torch.float32 and ((u > 0) & (u < 1)).all()
+    # The largest and least hash values: still strictly inside (0, 1).
+    with mock.patch("whisper_cli.decoding._mix32", lambda x: torch.full_like(x, 2**32 - 1)):
+        assert uniform(seeds, torch.tensor(0)).max().item() == 1 - 2.0**-24
+    with mock.patch("whisper_cli.decoding._mix32", torch.zeros_like):
+        assert uniform(seeds, torch.tensor(0)).min().item() == 2.0**-24
     assert torch.equal(uniform(seeds.flip(0), torch.tensor(7)), u.flip(0))  # no row order
     assert torch.equal(uniform(seeds[1:2], torch.tensor(7)), u[1:2])  # nor batch size
     assert not torch.equal(uniform(seeds, torch.tensor(8)), u)  # a new step, new draws

@@ -160,9 +160,9 @@ class Engine:
         speech_after (n, n_timestamps) bool, timestamp mode only: whether the audio after
         each timestamp still holds speech (from the speech map); while it does after a
         row's latest timestamp, that row may not end (see rules.apply_rules).
-        temperatures: per row; 0 is greedy, above 0 samples from softmax(logits / T) with
-        noise seeded by the row's seed (`seeds`), so a row's text does not depend on the
-        other rows of its batch.
+        temperatures: per row; 0 is greedy, above 0 draws from softmax(logits / T) at
+        uniforms hashed from the row's seed (`seeds`) and step, so a row's text does not
+        depend on the other rows of its batch.
         """
         started = self._start()
         n, b = len(languages), features.shape[0]
