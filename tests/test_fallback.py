@@ -168,7 +168,8 @@ def test_draws_follow_the_tempered_softmax_and_never_a_suppressed_token() -> Non
     n = 40_000
     logits = torch.tensor([2.0, 0.5, float("-inf"), 1.0, -1.0, float("-inf")]).expand(n, -1)
     temperature = torch.full((n,), 0.7)
-    tokens = draw(logits, temperature, uniform(torch.arange(n), torch.tensor(3)))
+    greedy = logits.argmax(dim=-1)
+    tokens = draw(logits, temperature, uniform(torch.arange(n), torch.tensor(3)), greedy)
     counts = torch.bincount(tokens, minlength=6).double()
     expected = torch.softmax(logits[0].double() / 0.7, dim=0) * n
     assert counts[2] == 0 and counts[5] == 0  # -inf: never, the vocabulary's end included
@@ -176,7 +177,8 @@ def test_draws_follow_the_tempered_softmax_and_never_a_suppressed_token() -> Non
     assert ((counts - expected).abs() <= 5 * sigma + 1e-9).all(), (counts, expected)
     # The extreme uniforms land on tokens with mass of their own.
     edges = torch.tensor([1 - 2.0**-24, 2.0**-24, 1.0])
-    assert draw(logits[:3], temperature[:3], edges).tolist() == [4, 0, 0]  # 1.0: argmax
+    # u = 1.0 (the target at the total): the likeliest token the caller passes.
+    assert draw(logits[:3], temperature[:3], edges, greedy[:3]).tolist() == [4, 0, 0]
     # A cumulative sum that is not flat across a suppressed token (as a parallel scan
     # may round) still never draws it.
     probs = torch.tensor([[0.5, 0.0, 0.5]])
@@ -185,9 +187,9 @@ def test_draws_follow_the_tempered_softmax_and_never_a_suppressed_token() -> Non
         mock.patch.object(torch.Tensor, "cumsum", lambda self, dim: uneven),
         mock.patch("whisper_cli.decoding.f32_softmax", lambda logits, t: probs),
     ):
-        assert draw(probs, torch.ones(1), torch.tensor([0.5])).tolist() == [2]
+        assert draw(probs, torch.ones(1), torch.tensor([0.5]), torch.zeros(1)).tolist() == [2]
     # Far from the edges, a very low temperature is the argmax.
-    cold = draw(logits[:2], torch.full((2,), 1e-3), torch.tensor([0.3, 0.9]))
+    cold = draw(logits[:2], torch.full((2,), 1e-3), torch.tensor([0.3, 0.9]), greedy[:2])
     assert cold.tolist() == [0, 0]
 
 
