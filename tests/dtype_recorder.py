@@ -4,7 +4,7 @@ Shared by tests/test_dtype.py (CPU) and scripts/gpu_check.py (the same check on 
 A TorchDispatchMode sees the output of every op. Only the exceptions listed in
 whisper_cli.dtypes.F32_EXCEPTIONS may produce float32 in a bf16/f16 run: the audio front
 end (log_mel), the speech detector (whose output is NumPy) and probabilities computed
-from the logits (f32_log_softmax, f32_logsumexp, f32_logprob_sums, the sampling draw,
+from the logits (f32_log_softmax, f32_logsumexp, f32_logprobs, the sampling draw,
 the word-timing weights) and whatever is computed from those.
 """
 
@@ -120,7 +120,7 @@ def exceptions_marked(rec: DtypeRecorder) -> Iterator[DtypeRecorder]:
         (rules, "f32_logsumexp", exception),
         (decoding, "uniform", exception),
         (decoding, "f32_softmax", exception),
-        (decoding, "f32_logprob_sums", exception),
+        (decoding, "f32_logprobs", exception),
         (decoding, "f32_logsumexp", exception),
         (timing, "f32_log_softmax", exception),
         (timing, "f32_alignment_weights", exception),

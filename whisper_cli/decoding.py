@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from whisper_cli.dtypes import f32_logprob_sums, f32_logsumexp, f32_softmax
+from whisper_cli.dtypes import f32_logprobs, f32_logsumexp, f32_softmax
 from whisper_cli.model import DecodeCaches, Whisper
 from whisper_cli.rules import Rules, apply_rules
 
@@ -38,6 +38,8 @@ class DecodedRow:
 
     tokens: tuple[int, ...]  # sampled tokens, end-of-text excluded
     avg_logprob: float
+    # The log-prob of each of `tokens` when it was chosen (the judge reads a segment's own).
+    token_logprobs: tuple[float, ...]
     no_speech_prob: float
     language: str | None
     looped: bool = False  # stopped by the repetition guard
@@ -60,7 +62,7 @@ class DecodeState:
     index: torch.Tensor  # () int64: the step, i.e. how many tokens were sampled
     position: torch.Tensor  # (1,) int64: the text position of the next forward
     finished: torch.Tensor  # bool
-    sum_logprob: torch.Tensor  # float32 (listed exception): sum of chosen log-probs
+    logprobs: torch.Tensor  # (B, max_new) float32 (listed exception): chosen log-probs
     loop_cut: torch.Tensor  # int64: where a looping row's tokens are cut, -1 if it did not
     temperature: torch.Tensor  # in the logits' dtype: 0 is greedy
     seed: torch.Tensor  # int64 in [0, 2^32): the row's sampling seed
@@ -86,7 +88,7 @@ class DecodeState:
             index=torch.zeros((), dtype=torch.long, device=device),
             position=torch.full((1,), prompt_length, dtype=torch.long, device=device),
             finished=torch.zeros(b, dtype=torch.bool, device=device),
-            sum_logprob=f32_logprob_sums(b, device),
+            logprobs=f32_logprobs(b, max_new, device),
             loop_cut=minus_one.clone(),
             temperature=torch.tensor(temperatures, dtype=dtype, device=device),
             seed=torch.tensor(folded, dtype=torch.long, device=device),
@@ -123,7 +125,7 @@ class DecodeState:
 
     def store(self, into: DecodeState, rows: torch.Tensor) -> None:
         """Write these rows' tokens and results into `into`, the whole batch's, at `rows`."""
-        for name in ("tokens", "sum_logprob", "loop_cut"):
+        for name in ("tokens", "logprobs", "loop_cut"):
             getattr(into, name)[rows] = getattr(self, name)
 
 
@@ -173,9 +175,10 @@ def choose(rules: Rules, state: DecodeState, logits: torch.Tensor, sample: bool)
     tokens = torch.where(finished, rules.eot, tokens)  # (B,)
     # The chosen token's log-prob: its logit less the row's log-sum-exp.
     chosen = logits.gather(1, tokens[:, None])[:, 0] - f32_logsumexp(logits)
-    state.sum_logprob.add_(torch.where(finished, 0.0, chosen))
+    at = state.index.view(1)
+    state.logprobs.index_copy_(1, at, torch.where(finished, 0.0, chosen)[:, None])
     state.finished.logical_or_(tokens == rules.eot)
-    state.tokens.index_copy_(1, state.index.view(1), tokens[:, None])
+    state.tokens.index_copy_(1, at, tokens[:, None])
     state.index.add_(1)
 
 
@@ -256,19 +259,21 @@ def decoded_rows(
 ) -> list[DecodedRow]:
     """The host's view of a finished decode: one DecodedRow per row."""
     results = []
-    for r, (seq, total, cut) in enumerate(
+    for r, (seq, logprobs, cut) in enumerate(
         zip(
             state.tokens.tolist(),
-            state.sum_logprob.tolist(),
+            state.logprobs.tolist(),
             state.loop_cut.tolist(),
             strict=True,
         )
     ):
         n = seq.index(eot) if eot in seq else len(seq)
+        kept = min(n, cut) if cut >= 0 else n
         results.append(
             DecodedRow(
-                tokens=tuple(seq[: min(n, cut) if cut >= 0 else n]),
-                avg_logprob=total / (n + 1),  # as openai-whisper: end-of-text counts
+                tokens=tuple(seq[:kept]),
+                token_logprobs=tuple(logprobs[:kept]),
+                avg_logprob=sum(logprobs) / (n + 1),  # as openai-whisper: end-of-text counts
                 no_speech_prob=no_speech[r],
                 language=languages[r],
                 looped=cut >= 0,

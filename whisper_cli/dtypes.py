@@ -10,7 +10,7 @@ where a tensor changes dtype can be read in one screen:
 * `cast_weight`   - checkpoint tensors (f16/f32/bf16 on disk) to the run dtype, once at load.
 * `encoder_input` - the log-mel, computed in float32 (see F32_EXCEPTIONS), enters the
                     encoder in the run dtype.
-* `f32_log_softmax`, `f32_logsumexp`, `f32_logprob_sums` - the listed float32
+* `f32_log_softmax`, `f32_logsumexp`, `f32_logprobs` - the listed float32
                     exception for probabilities over logits and their running sums.
 * `f32_softmax`   - the sampling draw's distribution (listed exception).
 * `f32_alignment_weights` - word timing: alignment-head attention weights (computed in
@@ -198,9 +198,9 @@ def f32_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor
     return torch.softmax(logits.float() / temperature, dim=-1)
 
 
-def f32_logprob_sums(rows: int, device: torch.device) -> torch.Tensor:
-    """Per-row running sums of chosen tokens' log-probabilities (same listed exception)."""
-    return torch.zeros(rows, dtype=torch.float32, device=device)
+def f32_logprobs(rows: int, steps: int, device: torch.device) -> torch.Tensor:
+    """(rows, steps) log-probabilities of the chosen tokens (same listed exception)."""
+    return torch.zeros(rows, steps, dtype=torch.float32, device=device)
 
 
 def f32_alignment_weights(weights: torch.Tensor) -> torch.Tensor:
