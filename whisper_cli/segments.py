@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import zlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from whisper_cli.results import Segment, Word
 from whisper_cli.timing import WindowWords
@@ -16,6 +16,76 @@ def compression_ratio(text: str) -> float:
     return len(data) / len(zlib.compress(data)) if data else 0.0
 
 
+@dataclass(frozen=True)
+class Piece:
+    """The text between two timestamps of one window's tokens."""
+
+    start: float  # seconds into the window, as decoded
+    end: float  # seconds into the window (the window's end for text after the last timestamp)
+    tokens: slice  # where its text tokens lie in the window's tokens
+
+
+def text_pieces(tokens: tuple[int, ...], timestamp_begin: int, duration: float) -> list[Piece]:
+    """The pieces of one window's tokens, in order.
+
+    In timestamp mode the tokens read `<|t0|> text <|t1|><|t1'|> text <|t2|> ...`:
+    a piece closes at each pair of consecutive timestamps. Text after the last
+    timestamp (a row stopped by max_new_tokens) runs to the window's end, so no word is
+    lost: windows are independent, there is no seek to re-decode it from.
+    """
+    pieces: list[Piece] = []
+    start: float | None = None
+    first: int | None = None  # index of the open piece's first text token
+    for i, token in enumerate(tokens):
+        if token >= timestamp_begin:
+            t = (token - timestamp_begin) * TIME_PRECISION
+            if start is None:
+                start = t  # opening timestamp
+            else:
+                if first is not None:
+                    pieces.append(Piece(start, t, slice(first, i)))
+                start, first = None, None
+                # The closing timestamp may be followed by the next piece's opening one.
+        else:
+            if start is None:
+                start = pieces[-1].end if pieces else 0.0
+            if first is None:
+                first = i
+    if first is not None:
+        pieces.append(Piece(start if start is not None else 0.0, duration, slice(first, None)))
+    return pieces
+
+
+def piece_segment(
+    piece: Piece,
+    tokens: tuple[int, ...],
+    tokenizer: Tokenizer,
+    *,
+    offset: float,
+    duration: float,
+    avg_logprob: float,
+    no_speech_prob: float,
+    language: str | None,
+) -> Segment | None:
+    """The piece as a segment in input time, kept inside its window; None if it has no text."""
+    seg_tokens = tokens[piece.tokens]
+    text = tokenizer.decode(list(seg_tokens))
+    if not text.strip():
+        return None
+    start = min(max(piece.start, 0.0), duration)
+    end = min(max(piece.end, start), duration)
+    return Segment(
+        start=round(offset + start, 3),
+        end=round(offset + end, 3),
+        text=text,
+        tokens=tuple(seg_tokens),
+        avg_logprob=avg_logprob,
+        no_speech_prob=no_speech_prob,
+        compression_ratio=compression_ratio(text),
+        language=language,
+    )
+
+
 def window_segments(
     tokens: tuple[int, ...],
     tokenizer: Tokenizer,
@@ -26,54 +96,22 @@ def window_segments(
     no_speech_prob: float,
     language: str | None,
 ) -> list[Segment]:
-    """Segments of one window, times offset by the window's start and kept inside it.
-
-    In timestamp mode the tokens read `<|t0|> text <|t1|><|t1'|> text <|t2|> ...`:
-    a segment closes at each pair of consecutive timestamps. Text after the last
-    timestamp (a row stopped by max_new_tokens) is kept up to the window's end, so no
-    word is lost: windows are independent, there is no seek to re-decode it from.
-    """
-    ts_begin = tokenizer.special.timestamp_begin
-    pieces: list[tuple[float, float, list[int]]] = []
-    start: float | None = None
-    current: list[int] = []
-    for token in tokens:
-        if token >= ts_begin:
-            t = (token - ts_begin) * TIME_PRECISION
-            if start is None:
-                start = t  # opening timestamp
-            else:
-                if current:
-                    pieces.append((start, t, current))
-                start, current = None, []
-                # The closing timestamp may be followed by the next segment's opening one.
-        else:
-            if start is None:
-                start = pieces[-1][1] if pieces else 0.0
-            current.append(token)
-    if current:
-        pieces.append((start if start is not None else 0.0, duration, current))
-
-    segments = []
-    for seg_start, seg_end, seg_tokens in pieces:
-        text = tokenizer.decode(seg_tokens)
-        if not text.strip():
-            continue
-        seg_start = min(max(seg_start, 0.0), duration)
-        seg_end = min(max(seg_end, seg_start), duration)
-        segments.append(
-            Segment(
-                start=round(offset + seg_start, 3),
-                end=round(offset + seg_end, 3),
-                text=text,
-                tokens=tuple(seg_tokens),
-                avg_logprob=avg_logprob,
-                no_speech_prob=no_speech_prob,
-                compression_ratio=compression_ratio(text),
-                language=language,
-            )
+    """Segments of one window (see text_pieces), times offset by the window's start."""
+    pieces = text_pieces(tokens, tokenizer.special.timestamp_begin, duration)
+    segments = (
+        piece_segment(
+            p,
+            tokens,
+            tokenizer,
+            offset=offset,
+            duration=duration,
+            avg_logprob=avg_logprob,
+            no_speech_prob=no_speech_prob,
+            language=language,
         )
-    return segments
+        for p in pieces
+    )
+    return [s for s in segments if s is not None]
 
 
 def attach_words(
