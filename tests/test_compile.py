@@ -7,6 +7,7 @@ import pytest
 import torch
 from util import shared_clip
 
+from whisper_cli import judge
 from whisper_cli.audio import SAMPLE_RATE, load_audio
 from whisper_cli.decoding import DecodedRow
 from whisper_cli.options import Policy
@@ -38,13 +39,13 @@ def five(tmp_path_factory) -> list[str]:
 
 
 def run(t: Transcriber, paths: list[str], monkeypatch) -> dict[str, list]:
-    real = Transcriber._needs_fallback
+    real = judge.needs_fallback
     text = lambda row: t.loaded.tokenizer.decode(list(row.tokens)).lower()  # noqa: E731
 
-    def needs_fallback(self, row: DecodedRow) -> bool:
-        return real(self, row) or (MARK in text(row) and row.temperature < 0.5)
+    def needs_fallback(row: DecodedRow, row_text: str, policy) -> bool:
+        return real(row, row_text, policy) or (MARK in text(row) and row.temperature < 0.5)
 
-    monkeypatch.setattr(Transcriber, "_needs_fallback", needs_fallback)
+    monkeypatch.setattr(judge, "needs_fallback", needs_fallback)
     results, errors = [], []
     t.run(paths, results.append, errors.append)
     assert not errors

@@ -10,9 +10,11 @@ import soundfile as sf
 import torch
 from util import shared_clip
 
+from whisper_cli import judge
 from whisper_cli.audio import SAMPLE_RATE, load_audio
 from whisper_cli.decoding import DecodedRow
 from whisper_cli.options import Policy
+from whisper_cli.scheduler import Counters, Job, Scheduler
 
 FAILING = 7  # the one input of the "right" speaker, whose window fails below 0.5
 MARK = "horizon"  # its text: "The horizon seems extremely distant."
@@ -47,10 +49,11 @@ def run(t, paths: list[str], monkeypatch) -> tuple[dict, list[tuple[bool, float]
     check is the pipeline's own."""
     decoded: list[tuple[bool, float]] = []
     text = lambda row: t.loaded.tokenizer.decode(list(row.tokens)).lower()  # noqa: E731
-    real_fallback = type(t)._needs_fallback
+    real_fallback = judge.needs_fallback
 
-    def needs_fallback(self, row: DecodedRow) -> bool:
-        return real_fallback(self, row) or (MARK in text(row) and row.temperature < 0.5)
+    def needs_fallback(row: DecodedRow, row_text: str, policy: Policy) -> bool:
+        forced = MARK in text(row) and row.temperature < 0.5
+        return real_fallback(row, row_text, policy) or forced
 
     real_decode = t.engine.decode
 
@@ -60,7 +63,7 @@ def run(t, paths: list[str], monkeypatch) -> tuple[dict, list[tuple[bool, float]
         return rows
 
     monkeypatch.setattr(t.engine, "decode", decode)
-    monkeypatch.setattr(type(t), "_needs_fallback", needs_fallback)
+    monkeypatch.setattr(judge, "needs_fallback", needs_fallback)
     results, errors = [], []
     t.run(paths, results.append, errors.append)
     assert not errors
@@ -97,7 +100,7 @@ def test_one_failing_row_falls_back_alone(sixteen, tiny_en, transcriber, monkeyp
 
     # One attempt at a time (nothing decoded ahead) gives the same transcripts (log-probs
     # up to float rounding: the rows' batches differ in size).
-    monkeypatch.setattr(type(with_fallback), "_ahead", lambda self, batch, spare: [])
+    monkeypatch.setattr(Scheduler, "_ahead", lambda self, batch, spare: [])
     one_by_one, decoded = run(
         transcriber(tiny_en, policy=Policy(**FORCED_ONLY)), sixteen, monkeypatch
     )
@@ -111,55 +114,24 @@ def test_one_failing_row_falls_back_alone(sixteen, tiny_en, transcriber, monkeyp
             assert x.avg_logprob == pytest.approx(y.avg_logprob, abs=1e-5)
 
 
-def test_later_attempts_fill_spare_rows_round_robin(tiny_en, transcriber) -> None:
+def test_later_attempts_fill_spare_rows_round_robin() -> None:
     """Each retry's next temperature first, then the one after; never past the spare
     rows, the last temperature, or onto rows decoded for the first time."""
-    from whisper_cli.pipeline import _Job
     from whisper_cli.windows import Window
 
-    t = transcriber(tiny_en)  # temperatures 0.0, 0.2, ..., 1.0: attempts 0..5
+    counters = Counters()
+    scheduler = Scheduler([], lambda i: None, 16, 6, counters)  # attempts 0..5
     audio = np.zeros(SAMPLE_RATE, dtype=np.float32)
     window = Window(0, 0, 0, audio, np.zeros(32, dtype=bool))
     features = torch.zeros(1500, 384)
-    a, b = _Job(window, 1, features=features), _Job(window, 4, features=features)
-    fresh = _Job(window)  # a new window: nothing ahead
-    ahead = t._ahead([a, fresh, b], 3)
+    a, b = Job(window, 1, features=features), Job(window, 4, features=features)
+    fresh = Job(window)  # a new window: nothing ahead
+    ahead = scheduler._ahead([a, fresh, b], 3)
     assert [(j.ahead_of, j.attempt) for j in ahead] == [(a, 2), (b, 5), (a, 3)]
     assert all(j.features is features and j.window is window for j in ahead)
-    assert [j.attempt for j in t._ahead([a, b], 10)] == [2, 5, 3, 4, 5]
-    assert t._ahead([a, b], 0) == [] and t._ahead([fresh], 5) == []
-    assert t.counters.ahead == 8
-
-
-def test_rows_that_loop_or_are_unsure_fall_back_and_silence_does_not(tiny_en, transcriber):
-    t = transcriber(tiny_en)
-    words = tiny_en.tokenizer.encode_text(" Ask not what your country can do for you.")
-    ts = tiny_en.tokenizer.special.timestamp_begin
-    row = DecodedRow(
-        tokens=(ts, *words, ts + 100), avg_logprob=-0.2, no_speech_prob=0.01, language=None
-    )
-    assert not t._needs_fallback(row)
-    assert t._needs_fallback(DecodedRow(**{**vars(row), "looped": True}))
-    assert t._needs_fallback(DecodedRow(**{**vars(row), "avg_logprob": -1.2}))
-    loop = (ts, *(words * 8), ts + 1000)
-    assert t._needs_fallback(DecodedRow(**{**vars(row), "tokens": loop}))
-    # Likely no speech and unsure: silence, which never falls back.
-    assert not t._needs_fallback(
-        DecodedRow(**{**vars(row), "avg_logprob": -1.2, "no_speech_prob": 0.9})
-    )
-
-
-def test_best_candidate_when_every_temperature_fails(tiny_en, transcriber) -> None:
-    t = transcriber(tiny_en)
-    words = tiny_en.tokenizer.encode_text(" Ask not what your country can do for you.")
-    ts = tiny_en.tokenizer.special.timestamp_begin
-    base = {"no_speech_prob": 0.01, "language": None}
-    looping = DecodedRow(tokens=(ts, *(words * 8)), avg_logprob=-0.1, looped=True, **base)
-    unsure = DecodedRow(tokens=(ts, *words, ts + 9), avg_logprob=-1.5, **base)
-    less_unsure = DecodedRow(tokens=(ts, *words, ts + 8), avg_logprob=-1.1, **base)
-    # Among those that are not repetitive, the best average log-prob (faster-whisper's rule).
-    assert t._best([looping, unsure, less_unsure, unsure]) is less_unsure
-    assert t._best([looping, looping]) is looping  # none is fine: the best of all
+    assert [j.attempt for j in scheduler._ahead([a, b], 10)] == [2, 5, 3, 4, 5]
+    assert scheduler._ahead([a, b], 0) == [] and scheduler._ahead([fresh], 5) == []
+    assert counters.ahead == 8
 
 
 def test_draws_follow_the_tempered_softmax_and_never_a_suppressed_token() -> None:

@@ -27,7 +27,6 @@ SR = 16000
 F = FRAME_SAMPLES  # 512 samples, 32 ms
 MAX_FRAMES = 937  # the most 32 ms frames in 30 s
 POLICY = Policy()
-PAD = round(POLICY.speech_pad_seconds * SR / F)  # 12 frames
 
 
 class PlantedMap(torch.nn.Module):
@@ -69,12 +68,12 @@ def check_window(w: Window, x: np.ndarray) -> None:
 # --- with the detector on -------------------------------------------------------------------
 
 
-def test_a_window_opens_a_pad_before_speech_and_closes_a_pad_after_it() -> None:
+def test_a_window_opens_a_lead_before_speech_and_closes_a_tail_after_it() -> None:
     x = planted((10.0, 0.0), (5.0, 0.9), (10.0, 0.0))
     (w,) = cut(x)
     check_window(w, x)
-    assert w.start == pytest.approx(10.0 - POLICY.speech_pad_seconds, abs=0.05)
-    assert w.end == pytest.approx(15.0 + POLICY.speech_pad_seconds, abs=0.05)
+    assert w.start == pytest.approx(10.0 - POLICY.speech_lead_seconds, abs=0.05)
+    assert w.end == pytest.approx(15.0 + POLICY.speech_tail_seconds, abs=0.05)
     assert w.speech_seconds == pytest.approx(5.0, abs=0.04)
 
 
@@ -98,7 +97,7 @@ def test_windows_hold_every_speech_frame_and_no_long_non_speech(largest: int) ->
         covered[first : first + len(w.speech)] = True
         speech[first : first + len(w.speech)] |= w.speech
         # It opens within the pad before its first speech frame.
-        assert np.flatnonzero(w.speech)[0] <= PAD
+        assert np.flatnonzero(w.speech)[0] <= round(POLICY.speech_lead_seconds * SR / F)
     truth = x[: len(x) // F * F].reshape(-1, F)[:, 0] >= POLICY.vad_threshold
     assert covered[truth].all()  # no speech frame left out of the windows
     np.testing.assert_array_equal(speech, truth)  # the windows' maps are the input's
@@ -108,15 +107,17 @@ def test_windows_hold_every_speech_frame_and_no_long_non_speech(largest: int) ->
 def test_a_pause_shorter_than_min_silence_stays_inside_one_piece() -> None:
     x = planted((1.0, 0.0), (3.0, 0.9), (1.5, 0.0), (3.0, 0.9), (1.0, 0.0))
     (w,) = cut(x)
-    assert w.end - w.start == pytest.approx(7.5 + 2 * POLICY.speech_pad_seconds, abs=0.05)
+    assert w.end - w.start == pytest.approx(
+        7.5 + POLICY.speech_lead_seconds + POLICY.speech_tail_seconds, abs=0.05
+    )
 
 
 def test_a_long_silence_between_utterances_makes_two_windows() -> None:
     # 10 s + 20 s of silence + 10 s: together more than 30 s, so each opens its own window.
     x = planted((1.0, 0.0), (10.0, 0.9), (20.0, 0.0), (10.0, 0.9), (1.0, 0.0))
     first, second = cut(x)
-    assert first.end == pytest.approx(11.0 + POLICY.speech_pad_seconds, abs=0.05)
-    assert second.start == pytest.approx(31.0 - POLICY.speech_pad_seconds, abs=0.05)
+    assert first.end == pytest.approx(11.0 + POLICY.speech_tail_seconds, abs=0.05)
+    assert second.start == pytest.approx(31.0 - POLICY.speech_lead_seconds, abs=0.05)
 
 
 def test_utterances_that_fit_share_a_window_with_the_pause_between() -> None:
@@ -127,12 +128,23 @@ def test_utterances_that_fit_share_a_window_with_the_pause_between() -> None:
 
 
 def test_hysteresis_and_minimum_speech() -> None:
-    # 0.4 never starts speech, but continues it (>= 0.35); 0.2 s of speech is a click.
-    x = planted((1.0, 0.0), (2.0, 0.4), (1.0, 0.0), (0.16, 0.9), (3.0, 0.0))
+    # 0.4 never starts speech, but continues it (>= 0.35); 0.16 s of speech that never
+    # scores the short-speech threshold is a click.
+    click = (POLICY.vad_threshold + POLICY.short_speech_threshold) / 2
+    x = planted((1.0, 0.0), (2.0, 0.4), (1.0, 0.0), (0.16, click), (3.0, 0.0))
     assert cut(x) == []
     x = planted((1.0, 0.0), (1.0, 0.9), (2.0, 0.4), (3.0, 0.0))
     (w,) = cut(x)
     assert w.speech_seconds == pytest.approx(3.0, abs=0.04)
+
+
+def test_a_short_stretch_that_scores_high_is_a_word() -> None:
+    """0.16 s above the short-speech threshold (a clear "yes") opens a window, padded."""
+    x = planted((20.0, 0.0), (0.16, 0.99), (3.0, 0.0))
+    (w,) = cut(x)
+    assert w.start == pytest.approx(20.0 - POLICY.speech_lead_seconds, abs=0.04)
+    assert w.end == pytest.approx(20.16 + POLICY.speech_tail_seconds, abs=0.04)
+    assert w.speech_seconds == pytest.approx(0.16, abs=0.04)
 
 
 def test_no_speech_at_all_gives_no_window_and_counts_every_sample() -> None:
@@ -159,7 +171,9 @@ def test_a_cut_goes_early_into_a_non_speech_run() -> None:
     x = planted((26.0, 0.9), (0.6, 0.1), (40.0, 0.9))
     first, second = cut(x)[:2]
     assert first.end == pytest.approx(26.15, abs=0.04)
-    assert second.start == pytest.approx(26.6 - POLICY.speech_pad_seconds, abs=0.04)
+    # It opens a lead before the speech, or at the cut if the lead reaches back past it.
+    lead_start = max(first.end, 26.6 - POLICY.speech_lead_seconds)
+    assert second.start == pytest.approx(lead_start, abs=0.04)
 
 
 def test_blocks_must_be_mono() -> None:

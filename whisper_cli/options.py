@@ -38,28 +38,48 @@ class Policy:
     vad_threshold: float = 0.5
     vad_neg_threshold: float = 0.35
     # Speech shorter than this is a click or a breath, not a word: Silero's default
-    # min_speech_duration_ms (250). Also the least speech "left in a window" that keeps a
-    # decode from ending (see decoding's no-end rule).
+    # min_speech_duration_ms (250) ...
     min_speech_seconds: float = 0.25
+    # ... unless it scores at least this somewhere: a short word said clearly ("yes", a
+    # name) is speech however short. scripts/calibrate_speech.py: short words (eSpeak's
+    # yes/no/hi/stop/two/oui/non/ja/nein, 5 voices, 0 and -20 dB) peak at 0.98-1.0; of
+    # clicks, knocks, 50-200 ms noise bursts, beeps, music, hum and noise, only music made
+    # a short stretch, peaking at 0.62.
+    short_speech_threshold: float = 0.8
     # Pauses shorter than this stay inside the audio Whisper sees (it was trained on
-    # natural pauses); longer ones are cut out, leaving speech_pad_seconds either side.
+    # natural pauses); longer ones are cut out, leaving the lead and tail below.
     # faster-whisper's VadOptions default (2000 ms).
     min_silence_seconds: float = 2.0
-    # Audio kept before and after each stretch of speech: Silero's onsets can lag a soft
-    # first consonant by 100-200 ms, and Whisper's first timestamp of a window is at most
-    # 1 s in, so a window opens at most this long before its first speech.
-    # faster-whisper's speech_pad_ms default (400).
-    speech_pad_seconds: float = 0.4
+    # Audio kept before each stretch of speech. scripts/calibrate_speech.py: the first
+    # word after silence, as word timing dates it with the map off, starts up to 1.07 s
+    # before the detector's onset (median 0.53 s; the shared clips 20 dB down and in
+    # noise, the demo sample), though the energy onset leads the detector's by 0.3 s at
+    # most (0.1 s for eSpeak's 391 onsets): a window that opens 1 s early shows the model
+    # the lead-in it sees at a file's start, so its first word is dated as with the map
+    # off. 1 s is also the most that keeps a window's first speech within Whisper's
+    # first-timestamp limit (max_initial_timestamp, 1 s).
+    speech_lead_seconds: float = 1.0
+    # Audio kept after each stretch: faster-whisper's speech_pad_ms default (400).
+    speech_tail_seconds: float = 0.4
     # A stretch of speech longer than a window is cut at its least speech-like frame in
     # the last this-many seconds before the 30 s limit (a pause between words or phrases).
     cut_search_seconds: float = 6.0
-    # A segment whose time span holds less than this share of speech frames lies over
-    # non-speech (a pause inside a window) and is dropped. Measured with
-    # scripts/calibrate_speech.py (the shared clips in white and brown noise at 0-20 dB
-    # SNR, between noise and silence; no test asserts on these mixtures): every segment
-    # of real speech held at least 0.40 (tiny.en, 96 segments) and 0.45 (base, 75), the
-    # lowest being two-word segments at a window's edge; 0.3 leaves a margin below them.
-    segment_min_speech: float = 0.3
+    # Text over non-speech (judge.py): a segment is dropped only when less than
+    # text_min_speech_seconds of speech frames lie under it, widened by
+    # text_speech_margin_seconds either side (the decoder's timestamps are that far off),
+    # and the decoder doubts it too. scripts/calibrate_speech.py (eSpeak word lists,
+    # sentences and short words in 4 languages, 0 and -20 dB, clean and in noise, and the
+    # demo sample; 36 min): real segments held as little as 0.00 s of speech within
+    # their own span (base dated "Thunder" in noise 0.3 s off), 0.13 s within 0.5 s of
+    # it, and 0.29 s within 1 s (tiny.en and base alike). So: 1 s, and under 0.1 s.
+    text_min_speech_seconds: float = 0.1
+    text_speech_margin_seconds: float = 1.0
+    # The no-end rule: a decode may not end while at least min_speech_seconds of speech
+    # lie after its latest timestamp plus this slack (the model dates an utterance's end
+    # early by up to this much; speech inside the slack is the utterance it just wrote,
+    # and holding the decode open for it makes the model write that utterance again).
+    # CALIBRATE
+    end_slack_seconds: float = 1.0
     # The language of an input is detected from its probabilities pooled over up to this
     # much speech at its start (openai-whisper detects on the first 30 s).
     language_seconds: float = 30.0
@@ -88,7 +108,15 @@ class Policy:
             raise ValueError("need 0 < vad_neg_threshold <= vad_threshold < 1")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise ValueError("temperatures must be a non-empty list of values >= 0")
-        for name in ("min_speech_seconds", "min_silence_seconds", "speech_pad_seconds"):
+        for name in (
+            "min_speech_seconds",
+            "min_silence_seconds",
+            "speech_lead_seconds",
+            "speech_tail_seconds",
+            "text_min_speech_seconds",
+            "text_speech_margin_seconds",
+            "end_slack_seconds",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
@@ -104,8 +132,10 @@ class TranscribeOptions:
     initial_prompt: str | None = None
     channel: str | int | None = None
     compile: bool = False
-    # The speech map decides where speech is (windows, early ends, hallucinations,
-    # language). Off: every window of the input is decoded, as plain Whisper does.
+    # The speech map decides which audio is decoded (windows), and is evidence for text
+    # over non-speech. Off: every window of the input is decoded, as plain Whisper does,
+    # and only the decoder's own guards drop text; the map still keeps a decode from
+    # ending while speech remains, and weights language detection.
     vad: bool = True
     policy: Policy = Policy()
     word_timestamps: bool = False  # words with times (one alignment pass per batch)

@@ -3,8 +3,10 @@
 The audio streams in once. The speech map (speech.py) scores every 32 ms frame; frames
 are speech by hysteresis (policy.vad_threshold / vad_neg_threshold), speech shorter than
 policy.min_speech_seconds is dropped, and pauses shorter than policy.min_silence_seconds
-are kept inside the speech around them. Each stretch of speech, padded by
-policy.speech_pad_seconds on both sides, is a *piece*; a window opens at the start of a
+are kept inside the speech around them, except where one scores at least
+policy.short_speech_threshold (a short word said clearly). Each stretch of speech,
+padded by policy.speech_lead_seconds before and policy.speech_tail_seconds after, is a
+*piece*; a window opens at the start of a
 piece and takes the pieces that follow while it stays within 30 s, so it starts shortly
 before speech and ends shortly after it. Audio between windows (everything the map calls
 non-speech, beyond the padding) is never decoded. A window is one stretch of the input,
@@ -58,12 +60,11 @@ class Window:
     def speech_seconds(self) -> float:
         return float(self.speech.sum()) * FRAME_SECONDS
 
-    def speech_share(self, start: float, end: float) -> float:
-        """Share of speech frames in [start, end) seconds of the window (the frame at start
-        when the span is shorter than a frame)."""
-        first = min(int(start / FRAME_SECONDS), len(self.speech) - 1)
-        last = max(first + 1, int(np.ceil(end / FRAME_SECONDS)))
-        return float(self.speech[first:last].mean()) if len(self.speech) else 0.0
+    def speech_seconds_between(self, start: float, end: float) -> float:
+        """Seconds of speech frames in [start, end) seconds of the window (clipped to it)."""
+        first = max(0, int(start / FRAME_SECONDS))
+        last = max(first, int(np.ceil(end / FRAME_SECONDS)))
+        return float(self.speech[first:last].sum()) * FRAME_SECONDS
 
 
 class WindowCutter:
@@ -90,12 +91,13 @@ class WindowCutter:
         # ... and the input's last, partial frame may take a window to the full 30 s: an
         # input of exactly 30 s is one window, not one and a 16 ms tail.
         self.max_samples = round(max_seconds * SAMPLE_RATE)
-        self.pad = frames(policy.speech_pad_seconds)
+        self.lead = frames(policy.speech_lead_seconds)
+        self.tail = frames(policy.speech_tail_seconds)
         self.min_speech = max(1, frames(policy.min_speech_seconds))
         self.min_silence = max(1, frames(policy.min_silence_seconds))
         self.search = min(frames(policy.cut_search_seconds), self.max_frames - 1)
-        if vad and 2 * self.pad >= self.max_frames:
-            raise ValueError("speech_pad_seconds leaves no room for speech in a window")
+        if vad and self.lead + self.tail >= self.max_frames:
+            raise ValueError("speech_lead_seconds and speech_tail_seconds leave no room for speech")
 
     @property
     def samples(self) -> int:
@@ -112,6 +114,7 @@ class WindowCutter:
         self._speaking = False  # hysteresis state of the last frame
         self._speech: list[bool] = []  # per frame from self._audio_start // 512 on
         self._run: tuple[int, int] | None = None  # open stretch: first, last+1 speech frame
+        self._probs: list[float] = []  # the same frames' speech probabilities
         self._piece_from = 0  # the open stretch's piece starts here (frames)
         self._pieces: list[tuple[int, int]] = []  # frames of the window being filled
         self._emitted_to = 0  # frames up to which earlier windows took pieces
@@ -136,13 +139,14 @@ class WindowCutter:
             level = p.vad_neg_threshold if self._speaking else p.vad_threshold
             self._speaking = prob >= level
             self._speech.append(self._speaking)
+            self._probs.append(prob)
             is_speech = self._speaking or not self.vad  # detector off: all is speech
             if is_speech:
                 if self._run is not None and i - self._run[1] >= self.min_silence:
                     yield from self._close_run()
                 if self._run is None:
                     self._run = (i, i + 1)
-                    self._piece_from = max(i - self.pad, self._last_piece_end())
+                    self._piece_from = max(i - self.lead, self._last_piece_end())
                 else:
                     self._run = (self._run[0], i + 1)
             elif self._run is not None and i + 1 - self._run[1] >= self.min_silence:
@@ -160,10 +164,13 @@ class WindowCutter:
             return
         first, last = self._run
         self._run = None
-        if last - first < self.min_speech and self.vad:
-            return
+        if self.vad and last - first < self.min_speech:
+            base = self._audio_start // FRAME_SAMPLES
+            peak = max(self._probs[first - base : last - base], default=0.0)
+            if peak < self.policy.short_speech_threshold:
+                return  # a click or a breath
         # Detector off: the windows tile the input, up to its last sample.
-        end = min(last + self.pad, self._frame) if self.vad else self._frame
+        end = min(last + self.tail, self._frame) if self.vad else self._frame
         yield from self._add_piece(self._piece_from, end)
 
     def _too_long(self, end: int) -> bool:
@@ -192,9 +199,9 @@ class WindowCutter:
         quiet = ~np.array(self._speech_frames(first, limit), dtype=bool)
         if quiet.any():
             run_first, run_last = longest_run(quiet)
-            cut = resume = first + run_first + min(self.pad, (run_last + 1 - run_first) // 4)
+            cut = resume = first + run_first + min(self.tail, (run_last + 1 - run_first) // 4)
             if self.vad:  # the pause itself need not be decoded: a pad either side of it
-                resume = max(resume, first + run_last + 1 - self.pad)
+                resume = max(resume, first + run_last + 1 - self.lead)
         else:
             probs = self.stream.map()[first:limit]
             smooth = np.convolve(np.pad(probs, 1, mode="edge"), np.ones(3) / 3, mode="valid")
@@ -207,7 +214,10 @@ class WindowCutter:
         yield from self._add_piece(self._piece_from, cut)
         yield from self._emit()
         self._piece_from = resume
-        self._run = (resume, max(self._run[1], resume)) if self._run else None
+        if self._run is not None and self._run[1] <= cut:
+            self._run = None  # its speech ended before the cut: the next speech opens anew
+        elif self._run is not None:
+            self._run = (resume, max(self._run[1], resume))
 
     def _add_piece(self, start: int, end: int) -> Iterator[Window]:
         if end <= start:
@@ -248,7 +258,7 @@ class WindowCutter:
         elif self._run is not None:
             keep = self._piece_from
         else:
-            keep = max(self._frame - self.pad, self._emitted_to)
+            keep = max(self._frame - self.lead, self._emitted_to)
         keep_sample = keep * FRAME_SAMPLES
         drop = keep_sample - self._audio_start
         if drop <= 0 or not self._audio:
@@ -256,6 +266,7 @@ class WindowCutter:
         buffer = np.concatenate(self._audio)
         self._audio = [buffer[drop:].copy()]
         self._speech = self._speech[drop // FRAME_SAMPLES :]
+        self._probs = self._probs[drop // FRAME_SAMPLES :]
         self._audio_start = keep_sample
 
 

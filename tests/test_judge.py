@@ -1,0 +1,177 @@
+"""The judge on planted rows: silent, repetitive, unsure, low-speech, map/decoder disagreement.
+
+No model is loaded: a window with a planted speech map, rows of real tiny.en tokens with
+planted log-probs, and the policy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from util import real_tokenizer
+
+from whisper_cli.decoding import DecodedRow
+from whisper_cli.judge import best, judge, needs_fallback
+from whisper_cli.options import Policy
+from whisper_cli.speech import FRAME_SECONDS, SAMPLE_RATE
+from whisper_cli.tokenizer import Tokenizer
+from whisper_cli.windows import Window
+
+POLICY = Policy()
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer(real_tokenizer("tiny.en"), multilingual=False)
+
+
+def window(speech: list[tuple[float, float]], seconds: float = 20.0, start: float = 10.0):
+    """A window at `start` s of its input whose map holds speech over the given spans."""
+    frames = int(np.ceil(seconds / FRAME_SECONDS))
+    mask = np.zeros(frames, dtype=bool)
+    for a, b in speech:
+        mask[round(a / FRAME_SECONDS) : round(b / FRAME_SECONDS)] = True
+    audio = np.zeros(round(seconds * SAMPLE_RATE), np.float32)
+    return Window(0, 0, round(start * SAMPLE_RATE), audio, mask)
+
+
+def row(
+    tok: Tokenizer,
+    pieces: list[tuple[float, float, str, float]],
+    *,
+    no_speech: float = 0.05,
+    looped: bool = False,
+    avg: float | None = None,
+) -> DecodedRow:
+    """(start s, end s, text, log-prob of each of its tokens) -> a timestamped row."""
+    ts = tok.special.timestamp_begin
+    tokens, logprobs = [], []
+    for start, end, text, logprob in pieces:
+        ids = tok.encode_text(text)
+        tokens += [ts + round(start / 0.02), *ids, ts + round(end / 0.02)]
+        logprobs += [-0.1, *[logprob] * len(ids), -0.1]
+    return DecodedRow(
+        tokens=tuple(tokens),
+        token_logprobs=tuple(logprobs),
+        avg_logprob=sum(logprobs) / (len(logprobs) + 1) if avg is None else avg,
+        no_speech_prob=no_speech,
+        language=None,
+        looped=looped,
+    )
+
+
+def texts(verdict) -> list[str]:
+    return [s.text.strip() for s in verdict.segments]
+
+
+def test_a_confident_row_is_kept_whole_in_input_time(tok) -> None:
+    w = window([(1.0, 4.0)])
+    verdict = judge(w, [row(tok, [(1.0, 4.0, " Ask not.", -0.2)])], POLICY, tok)
+    assert verdict.final and not verdict.silent
+    assert [(s.start, s.end, s.text) for s in verdict.segments] == [(11.0, 14.0, " Ask not.")]
+
+
+def test_sparse_words_over_a_long_span_are_kept(tok) -> None:
+    """One segment over eight words and the pauses between them: little of its span is
+    speech, but speech is under it, so every word stays (the old share rule dropped it)."""
+    spans = [(1.0 + 2.6 * i, 1.7 + 2.6 * i) for i in range(8)]  # 0.7 s words, 1.9 s pauses
+    w = window(spans, seconds=22.0)
+    text = " Apple, river, seven, yellow, window, garden, pencil, thunder."
+    for logprob in (-0.3, -1.4):  # confident, or unsure at every temperature
+        attempts = [row(tok, [(1.0, 21.0, text, logprob)])] * len(POLICY.temperatures)
+        verdict = judge(w, attempts, POLICY, tok)
+        assert texts(verdict) == [text.strip()], logprob
+        assert verdict.over_non_speech == 0
+
+
+def test_one_short_word_under_a_segment_keeps_it(tok) -> None:
+    w = window([(12.0, 12.3)])  # 0.3 s of speech in 20 s
+    attempts = [row(tok, [(11.5, 13.0, " Yes.", -1.5)], no_speech=0.5, avg=-1.1)] * 6
+    assert texts(judge(w, attempts, POLICY, tok)) == ["Yes."]
+
+
+def test_text_over_non_speech_that_the_decoder_doubts_is_dropped(tok) -> None:
+    w = window([(1.0, 8.0)])
+    pieces = [(1.0, 6.0, " Ask not what your country can do.", -0.2)]
+    unsure = row(tok, [*pieces, (12.0, 14.0, " Thank you.", -1.6)])
+    verdict = judge(w, [unsure], POLICY, tok)
+    assert texts(verdict) == ["Ask not what your country can do."]
+    assert verdict.over_non_speech == 1
+    # The window likely silent (no-speech probability above the threshold) is doubt too.
+    doubted = row(tok, [*pieces, (12.0, 14.0, " Thank you.", -0.2)], no_speech=0.7)
+    assert texts(judge(w, [doubted], POLICY, tok)) == ["Ask not what your country can do."]
+
+
+def test_map_and_decoder_disagree_the_text_is_kept(tok) -> None:
+    """No speech under it, but the decoder is sure: kept (a lost sentence costs more)."""
+    w = window([(1.0, 8.0)])
+    sure = row(tok, [(1.0, 6.0, " Ask not.", -0.2), (12.0, 14.0, " Thank you.", -0.3)])
+    assert texts(judge(w, [sure], POLICY, tok)) == ["Ask not.", "Thank you."]
+
+
+def test_speech_within_the_timing_margin_counts(tok) -> None:
+    """Timestamps up to the margin off the map's speech are still over speech."""
+    margin = POLICY.text_speech_margin_seconds
+    w = window([(5.0, 5.6)])
+    late = row(tok, [(5.6 + margin * 0.8, 7.0, " Hello.", -1.5)], avg=-0.5)
+    assert texts(judge(w, [late], POLICY, tok)) == ["Hello."]
+    far = row(tok, [(5.6 + margin + 0.5, 8.0, " Hello.", -1.5)], avg=-0.5)
+    assert texts(judge(w, [far], POLICY, tok)) == []
+
+
+def test_without_the_map_only_the_decoder_drops_text(tok) -> None:
+    w = window([])  # a map that hears nothing (a detector defeated by the audio)
+    unsure = row(tok, [(1.0, 3.0, " Hello there.", -1.6)], avg=-0.9)
+    assert texts(judge(w, [unsure], POLICY, tok, use_map=False)) == ["Hello there."]
+    assert texts(judge(w, [unsure], POLICY, tok, use_map=True)) == []
+
+
+def test_a_silent_row_gives_no_text_and_never_falls_back(tok) -> None:
+    w = window([])
+    silent = row(tok, [(0.0, 2.0, " you", -1.8)], no_speech=0.9, avg=-1.2)
+    verdict = judge(w, [silent], POLICY, tok)
+    assert verdict.final and verdict.silent and verdict.segments == ()
+    # Symbols alone under a high no-speech probability are silence even when sure.
+    notes = row(tok, [(0.0, 2.0, " ♪ ♪", -0.1)], no_speech=0.9)
+    assert judge(w, [notes], POLICY, tok).silent
+
+
+def test_unsure_or_looping_rows_fall_back_until_the_last_temperature(tok) -> None:
+    w = window([(1.0, 4.0)])
+    unsure = row(tok, [(1.0, 4.0, " Ask not what your country.", -1.6)])
+    looping = row(tok, [(1.0, 4.0, " Ask not.", -0.1)], looped=True)
+    for failing in (unsure, looping):
+        assert not judge(w, [failing], POLICY, tok).final
+        attempts = [failing] * (len(POLICY.temperatures) - 1)
+        assert not judge(w, attempts, POLICY, tok).final
+        assert judge(w, [*attempts, failing], POLICY, tok).final  # none left to try
+    passing = row(tok, [(1.0, 4.0, " Ask not what your country.", -0.3)])
+    verdict = judge(w, [unsure, passing], POLICY, tok)
+    assert verdict.final and verdict.row is passing
+
+
+def test_repetitive_segments_are_dropped_and_counted(tok) -> None:
+    w = window([(0.0, 20.0)])
+    loop = " the the the the the the the the the the the the the the the the the the"
+    pieces = [(0.0, 4.0, " Ask not.", -0.2), (4.0, 18.0, loop * 3, -0.1)]
+    attempts = [row(tok, pieces)] * len(POLICY.temperatures)
+    verdict = judge(w, attempts, POLICY, tok)
+    assert texts(verdict) == ["Ask not."] and verdict.repetitive == 1
+
+
+def test_fallback_rules_and_the_best_attempt(tok) -> None:
+    words = " Ask not what your country can do for you."
+    text = words.strip()
+    ok = row(tok, [(0.0, 3.0, words, -0.2)])
+    assert not needs_fallback(ok, text, POLICY)
+    unsure = row(tok, [(0.0, 3.0, words, -1.6)])
+    less_unsure = row(tok, [(0.0, 3.0, words, -1.2)])
+    assert needs_fallback(unsure, text, POLICY)
+    # Likely no speech and unsure: silence, which never falls back.
+    assert not needs_fallback(row(tok, [(0.0, 3.0, words, -1.6)], no_speech=0.9), text, POLICY)
+    looping = row(tok, [(0.0, 3.0, words * 8, -0.05)], looped=True)
+    # Among those that are not repetitive, the best average log-prob (faster-whisper's rule).
+    candidates = [looping, unsure, less_unsure, unsure]
+    texts_ = [text * 8, text, text, text]
+    assert best(candidates, texts_, POLICY) is less_unsure
+    assert best([looping, looping], [text * 8] * 2, POLICY) is looping  # the best of all

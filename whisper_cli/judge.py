@@ -1,0 +1,147 @@
+"""What a decoded window keeps: pure functions of (window, attempts, policy).
+
+The judge decides, for one window, whether its latest attempt must be decoded again at
+the next temperature (openai-whisper's fallback), which attempt is kept when none
+passes, whether the window is silent, and which of its segments are kept. It reads no
+model and no device: a window, the rows decoded for it, the policy and the tokenizer.
+
+The speech map is evidence here, never a gate that alone deletes words: a segment is
+dropped as text over non-speech only when (almost) no speech lies under it *and* the
+decoder itself doubts it (its tokens are unlikely, or the window is probably silent).
+Where the two disagree the text is kept: an invented "Thank you" costs less than a lost
+sentence, and audio with no speech at all is never decoded in the first place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from whisper_cli.decoding import DecodedRow
+from whisper_cli.options import Policy
+from whisper_cli.results import Segment
+from whisper_cli.segments import compression_ratio, piece_segment, text_pieces
+from whisper_cli.tokenizer import Tokenizer
+from whisper_cli.windows import Window
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """The judge's word on one window after an attempt."""
+
+    final: bool  # False: decode the window again at its next temperature
+    row: DecodedRow | None = None  # the attempt kept (final only)
+    segments: tuple[Segment, ...] = ()  # kept, in input time
+    silent: bool = False  # judged no speech: no text, and its cuts are not the user's concern
+    repetitive: int = 0  # segments dropped above the compression-ratio threshold
+    over_non_speech: int = 0  # segments dropped: no speech under them, the decoder unsure
+
+
+def row_text(row: DecodedRow, tokenizer: Tokenizer) -> str:
+    """The row's text, timestamps left out."""
+    ts_begin = tokenizer.special.timestamp_begin
+    return tokenizer.decode([t for t in row.tokens if t < ts_begin])
+
+
+def is_silent(row: DecodedRow, text: str, policy: Policy) -> bool:
+    """openai-whisper's rule: likely no speech, and the text is not confidently decoded.
+
+    A confident decode overrides the no-speech probability only when it holds words: text
+    of punctuation or symbols alone (" . . .", music notes) under a high no-speech
+    probability is what the model writes for noise and tones, not speech.
+    """
+    if row.no_speech_prob <= policy.no_speech_threshold:
+        return False
+    if row.avg_logprob < policy.logprob_threshold:
+        return True
+    return not any(ch.isalnum() for ch in text)
+
+
+def needs_fallback(row: DecodedRow, text: str, policy: Policy) -> bool:
+    """openai-whisper's rule: too repetitive or too unsure, unless it is no speech."""
+    if is_silent(row, text, policy):
+        return False
+    return (
+        row.looped
+        or compression_ratio(text) > policy.compression_ratio_threshold
+        or row.avg_logprob < policy.logprob_threshold
+    )
+
+
+def best(attempts: list[DecodedRow], texts: list[str], policy: Policy) -> DecodedRow:
+    """The last attempt if it passed; else, as faster-whisper, the best average log-prob
+    among the attempts that are not too repetitive (or among all, if none is)."""
+    last = attempts[-1]
+    if len(attempts) == 1 or not needs_fallback(last, texts[-1], policy):
+        return last
+    fine = [
+        a
+        for a, text in zip(attempts, texts, strict=True)
+        if not a.looped and compression_ratio(text) <= policy.compression_ratio_threshold
+    ]
+    return max(fine or attempts, key=lambda a: a.avg_logprob)
+
+
+def over_non_speech(
+    window: Window, start: float, end: float, logprob: float, row: DecodedRow, policy: Policy
+) -> bool:
+    """Whether text at [start, end) seconds of the window lies over non-speech: the map
+    holds (almost) no speech under it, its timing margin included, and the decoder
+    doubts it (its own tokens are unlikely, or the window is probably silent)."""
+    margin = policy.text_speech_margin_seconds
+    speech = window.speech_seconds_between(start - margin, end + margin)
+    if speech >= policy.text_min_speech_seconds:
+        return False
+    return logprob < policy.logprob_threshold or row.no_speech_prob > policy.no_speech_threshold
+
+
+def judge(
+    window: Window,
+    attempts: list[DecodedRow],
+    policy: Policy,
+    tokenizer: Tokenizer,
+    *,
+    use_map: bool = True,
+) -> Judgement:
+    """The judgement of `window` after its attempts so far (in temperature order).
+
+    use_map: the speech map may drop text (off with --no-vad: the detector is not
+    trusted, so only the decoder's own guards decide).
+    """
+    texts = [row_text(a, tokenizer) for a in attempts]
+    if needs_fallback(attempts[-1], texts[-1], policy) and len(attempts) < len(policy.temperatures):
+        return Judgement(final=False)
+    row = best(attempts, texts, policy)
+    if is_silent(row, texts[attempts.index(row)], policy):
+        return Judgement(final=True, row=row, silent=True)
+    kept: list[Segment] = []
+    repetitive = dropped = 0
+    for piece in text_pieces(row.tokens, tokenizer.special.timestamp_begin, window.duration):
+        segment = piece_segment(
+            piece,
+            row.tokens,
+            tokenizer,
+            offset=window.start,
+            duration=window.duration,
+            avg_logprob=row.avg_logprob,
+            no_speech_prob=row.no_speech_prob,
+            language=row.language,
+        )
+        if segment is None:
+            continue
+        if segment.compression_ratio > policy.compression_ratio_threshold:
+            repetitive += 1  # a loop that survived every temperature
+            continue
+        logprobs = row.token_logprobs[piece.tokens]
+        logprob = sum(logprobs) / len(logprobs)
+        start, end = segment.start - window.start, segment.end - window.start
+        if use_map and over_non_speech(window, start, end, logprob, row, policy):
+            dropped += 1
+            continue
+        kept.append(segment)
+    return Judgement(
+        final=True,
+        row=row,
+        segments=tuple(kept),
+        repetitive=repetitive,
+        over_non_speech=dropped,
+    )
