@@ -124,9 +124,11 @@ def models_dir() -> Path:
     return Path(os.environ.get("GPU_CHECK_MODELS", GPU / ("models-small" if small() else "models")))
 
 
-# name: d_model, encoder layers, decoder layers, heads (real shapes unless small)
-SHAPES = {"large-v3": (1280, 32, 32, 20), "turbo": (1280, 32, 4, 20)}
-SMALL_SHAPES = {"large-v3": (64, 2, 2, 4), "turbo": (64, 2, 1, 4)}
+# name: d_model, encoder layers, decoder layers, heads (real shapes unless small). Setup
+# makes them in this order: turbo first, so that a setup killed while it writes the
+# larger large-v3 still leaves the turbo stages a model.
+SHAPES = {"turbo": (1280, 32, 4, 20), "large-v3": (1280, 32, 32, 20)}
+SMALL_SHAPES = {"turbo": (64, 2, 1, 4), "large-v3": (64, 2, 2, 4)}
 N_MELS, VOCAB = 128, 51866
 
 
@@ -182,9 +184,21 @@ _ABSENT = object()
 # --- helpers -------------------------------------------------------------------------------
 
 
-def write_json(path: Path, data: Any) -> None:
+def temporary_for(path: Path) -> Path:
+    """Where `path` is written before it is renamed over the old one (os.replace): a
+    process killed at its limit while writing leaves the earlier file whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str))
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def write_text(path: Path, text: str) -> None:
+    temporary = temporary_for(path)
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def write_json(path: Path, data: Any) -> None:
+    write_text(path, json.dumps(data, indent=2, default=str))
 
 
 def read_plan() -> dict[str, Any]:
@@ -1006,11 +1020,14 @@ def summarise(out_dir: Path) -> None:
         for key in ("eager", "default", "max-autotune-no-cudagraphs"):
             if key in enc:
                 lines.append(f"- {key}: {enc[key]}")
-    (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
-    with tarfile.open(out_dir / "logs.tar.gz", "w:gz") as tar:
+    write_text(out_dir / "summary.md", "\n".join(lines) + "\n")
+    logs = out_dir / "logs.tar.gz"
+    temporary = temporary_for(logs)
+    with tarfile.open(temporary, "w:gz") as tar:
         for path in sorted(work.glob("*")):
             if path.suffix in (".json", ".log") and path.stat().st_size < 20 * 2**20:
                 tar.add(path, arcname=f"gpu_check/{path.name}")
+    os.replace(temporary, logs)
 
 
 # --- prepare (here, on the CPU machine) -------------------------------------------------------
