@@ -201,6 +201,29 @@ def write_json(path: Path, data: Any) -> None:
     write_text(path, json.dumps(data, indent=2, default=str))
 
 
+def tf32_flags() -> dict[str, Any]:
+    """The TF32 switches as torch reads them now: the legacy flags (which whisper-cli sets
+    for f32 on CUDA, dtypes.ieee_float32) and the newer fp32_precision ones. torch refuses
+    some reads after a mix of the two APIs: that refusal is reported as the value."""
+    import torch
+
+    backends = torch.backends
+    reads = {
+        "matmul allow_tf32": lambda: backends.cuda.matmul.allow_tf32,
+        "cudnn allow_tf32": lambda: backends.cudnn.allow_tf32,
+        "matmul fp32_precision": lambda: backends.cuda.matmul.fp32_precision,
+        "cudnn conv fp32_precision": lambda: backends.cudnn.conv.fp32_precision,
+        "float32_matmul_precision": torch.get_float32_matmul_precision,
+    }
+    flags: dict[str, Any] = {}
+    for name, read in reads.items():
+        try:
+            flags[name] = read()
+        except (AttributeError, RuntimeError) as exc:
+            flags[name] = f"unreadable: {type(exc).__name__}: {exc}"[:160]
+    return flags
+
+
 def read_plan() -> dict[str, Any]:
     if not PLAN_FILE.is_file():
         raise SystemExit(f"{PLAN_FILE} is missing: run `scripts/gpu_check.sh prepare` here first")
@@ -381,11 +404,9 @@ def stage_setup() -> dict[str, Any]:
         "stand_ins": os.environ.get("GPU_CHECK_STAND_INS", ""),
         "small": small(),
         "device": device_name(),
-        # What "f32" means on CUDA: TF32 in cuBLAS matmuls or cuDNN convolutions (the
-        # encoder's two) would be ~1e-3 relative, enough to fail the f32 parity.
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        # torch's defaults, before any model loads: cuDNN allows TF32 for float32
+        # convolutions; an f32 load on CUDA turns it off (see parity's flags).
+        "tf32_at_start": tf32_flags(),
     }
     for name in ("transformers", "safetensors", "tokenizers", "numpy", "triton"):
         try:
@@ -571,6 +592,7 @@ def parity(
         started = time.perf_counter()
         loaded = load_model(str(model_dir), policy)
         load_s = time.perf_counter() - started
+        out.setdefault("tf32", {})[dtype] = tf32_flags()  # as the device paths run
         results = {}
         for compiled in (c for d, c in paths if d == dtype):
             name = f"{device}_{dtype}_{'compiled' if compiled else 'eager'}"
@@ -902,12 +924,14 @@ def summarise(out_dir: Path) -> None:
             f"{p['reference_max_abs_logit']}, "
             f"smallest top-2 margin {p['reference_min_margin']}"
         )
+        for dtype, flags in p.get("tf32", {}).items():
+            lines.append(f"- TF32 flags while the {dtype} paths ran: {flags}")
         lines += [
             "",
-            "| path | max abs logit diff vs CPU f32 | token agreement | vs eager "
-            "(tokens, max diff) | graphs | recompiles | breaks | cudagraph skips | "
-            "ms/step |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| path | max abs logit diff vs CPU f32 | max abs encoder diff vs CPU f32 "
+            "| token agreement | vs eager (tokens, max diff) | graphs | recompiles | breaks "
+            "| cudagraph skips | ms/step |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for key, v in p.items():
             if not isinstance(v, dict) or "vs_cpu_f32" not in v:
@@ -917,7 +941,8 @@ def summarise(out_dir: Path) -> None:
             c, e = v["vs_cpu_f32"], v.get("vs_eager")
             eager = f"{e['token_agreement']:.4f}, {e['max_abs_logit_diff']:.2e}" if e else ""
             lines.append(
-                f"| {key} | {c['max_abs_logit_diff']:.2e} | {c['token_agreement']:.4f} | {eager} "
+                f"| {key} | {c['max_abs_logit_diff']:.2e} | {c['max_abs_encoder_diff']:.2e} "
+                f"| {c['token_agreement']:.4f} | {eager} "
                 f"| {v['graphs']} | {v['recompiles']} | {v['graph_breaks']} "
                 f"| {v['cudagraph_skips']} | {v['ms_per_step_last']} |"
             )
