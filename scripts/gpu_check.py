@@ -23,7 +23,9 @@ Stages (`plan` lists them with their time limits), in priority order:
   dtype       the dtype recorder (tests/dtype_recorder.py) over a whole run on the device
   bench-*     whisper_cli.tools.bench.measure, one configuration per stage (process)
   encoder     torch.compile of the encoder against eager, ms per window
-Each stage writes <work>/<stage>.json; `summary` gathers them into $OUT.
+Each stage writes <work>/<stage>.json, and a partial result there as it goes (save_partial:
+a bench after its warm-up, parity after each path), which a stage killed at its limit
+keeps; `summary` gathers them into $OUT.
 """
 
 from __future__ import annotations
@@ -199,6 +201,12 @@ def write_text(path: Path, text: str) -> None:
 
 def write_json(path: Path, data: Any) -> None:
     write_text(path, json.dumps(data, indent=2, default=str))
+
+
+def save_partial(stage: str, result: dict[str, Any]) -> None:
+    """The stage's result so far, kept if it is killed at its limit before it ends."""
+    record = {"stage": stage, "status": "partial", "result": result}
+    write_json(work_dir() / f"{stage}.json", record)
 
 
 def tf32_flags() -> dict[str, Any]:
@@ -433,6 +441,7 @@ def stage_setup() -> dict[str, Any]:
         started = time.perf_counter()
         make_model(models_dir() / name, shape, make_on)
         timings[f"make_{name}_s"] = round(time.perf_counter() - started, 1)
+        save_partial("setup", {"env": env, "timings": timings})
     # The windows the pipeline cuts from the bench audio, with this machine's detector.
     path, n_samples = bench_audio()
     import numpy as np
@@ -674,10 +683,6 @@ def sampled_parity(loaded, mel, steps: int, forced) -> dict[str, Any]:
 
 def stage_parity(model: str) -> dict[str, Any]:
     rows, steps = (2, 8) if small() else (4, 32)
-    path = work_dir() / f"parity-{model}.json"
-
-    def partial(out: dict[str, Any]) -> None:
-        write_json(path, {"stage": f"parity-{model}", "status": "partial", "result": out})
 
     # The sampled step once, on turbo's 4 decoder layers (large-v3's 32 compile longer).
     sampled = ("f32",) if model == "turbo" else ()
@@ -687,7 +692,7 @@ def stage_parity(model: str) -> dict[str, Any]:
         speech_clip(),
         rows,
         steps,
-        on_partial=partial,
+        on_partial=lambda out: save_partial(f"parity-{model}", out),
         sampled=sampled,
     )
 
@@ -748,6 +753,7 @@ def stage_dtype() -> dict[str, Any]:
             and bool(kv)
             and {t.dtype for t in kv} == {policy.dtype},
         }
+        save_partial("dtype", out)
         del transcriber, loaded
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -772,12 +778,29 @@ def projected(result: dict[str, Any], plan: dict[str, Any], on_cuda: bool) -> di
     return out
 
 
+def compile_seconds() -> float | None:
+    """Seconds torch.compile has spent in this process (dynamo's own metrics); None if it
+    never compiled."""
+    if "torch._dynamo" not in sys.modules:
+        return None
+    from torch._dynamo.utils import compile_times
+
+    times = compile_times(repr="csv", aggregate=True)
+    total = dict(zip(*times, strict=True)).get("_compile.compile_inner") if times else None
+    return None if total is None else round(float(total), 1)
+
+
 def stage_bench(name: str) -> dict[str, Any]:
+    """One bench configuration; a partial result after its warm-up (load, compile and
+    warm-up wall, the counters)."""
     from whisper_cli.tools import bench
 
     run = BENCH[name]
     audio, n_samples = bench_audio()
     batch = SMALL_BATCH if small() else BATCH
+    # large-v3 on CUDA: one timed run after the warm-up (each is 2 x 224 steps of 32 layers;
+    # two more for a median would cost the time the later stages need).
+    one = small() or (run.model == "large-v3" and device_name() == "cuda")
     config = bench.BenchConfig(
         model=str(models_dir() / run.model),
         dtypes=(run.dtype,),
@@ -786,14 +809,23 @@ def stage_bench(name: str) -> dict[str, Any]:
         duration=n_samples / SAMPLE_RATE,
         max_new_tokens=16 if small() else MAX_NEW_TOKENS,
         compile="on" if run.compile else "off",
-        repeats=1 if small() else 3,
+        repeats=1 if one else 3,
         against=run.against,
         device=device_name(),
     )
     result_path = work_dir() / f"{name}.result.json"
     spec = bench._child_spec(config, run.dtype, audio, n_samples, result_path)
-    result = dataclasses.asdict(bench.measure(spec))
+    compile_s: list[float | None] = []
+
+    def warmed_up(partial: dict[str, Any]) -> None:
+        compile_s.append(compile_seconds())
+        partial["compile_s"] = compile_s[0]
+        partial["warmup_rtfx"] = partial["audio_s"] / partial["warmup_wall_s"]
+        save_partial(name, {"partial": "warm-up only", **partial})
+
+    result = dataclasses.asdict(bench.measure(spec, on_warmup=warmed_up))
     result.pop("text")
+    result["compile_s"] = compile_s[0]
     plan = read_plan()
     result["per_batch"] = projected(result, plan, device_name() == "cuda")
     result["full_batches"] = result["windows"] == result["batches"] * batch
@@ -835,6 +867,7 @@ def stage_encoder() -> dict[str, Any]:
     out: dict[str, Any] = {"batch": batch, "repeats": repeats}
     first, eager_ms, eager = time_encode()
     out["eager"] = {"ms_per_window": round(eager_ms, 3), "first_s": round(first, 2)}
+    save_partial("encoder", out)
     encoder = loaded.model.encoder
     for mode in ("default", "max-autotune-no-cudagraphs"):
         if small() and mode != "default":
@@ -855,10 +888,7 @@ def stage_encoder() -> dict[str, Any]:
             "speedup_vs_eager": round(eager_ms / ms, 3),
             "max_abs_diff_vs_eager": float((features.float() - eager.float()).abs().max()),
         }
-        # Kept if a later mode runs past the stage's limit (max-autotune tunes for long).
-        write_json(
-            work_dir() / "encoder.json", {"stage": "encoder", "status": "partial", "result": out}
-        )
+        save_partial("encoder", out)  # max-autotune, next, tunes for long
     return out
 
 
@@ -978,13 +1008,26 @@ def summarise(out_dir: Path) -> None:
             "## bench (random weights: every window decodes max_new_tokens)",
             "",
             "| config | RTFx | wall s | detector s | windows/batches | steps/batch | ms/step "
-            "| enc ms/win "
-            "| projected RTFx (real steps/batch) | warm-up s | graphs/recompiles/breaks/"
-            "cg skips | fallbacks | text sha256 |",
+            "| enc ms/win | projected RTFx (real steps/batch) | warm-up s (compile s) "
+            "| graphs/recompiles/breaks/cg skips | fallbacks | text sha256 |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in bench_rows:
-            e, w, pb = r["engine"], r["engine_warmup"], r["per_batch"]
+            w = r["engine_warmup"]
+            counts = (
+                f"{w.get('graphs')}/{w.get('recompiles')}/{w.get('graph_breaks')}/"
+                f"{w.get('cudagraph_skips')}"
+            )
+            if "partial" in r:  # killed in its timed runs: what the warm-up told
+                lines.append(
+                    f"| {name.removeprefix('bench-')} | {r['partial']}: RTFx {r['warmup_rtfx']:.0f}"
+                    f" (the warm-up, any compile in it) | {r['warmup_wall_s']:.3f} | | "
+                    f"{w.get('decoded_rows')}/{w.get('decodes')} | | | | | load "
+                    f"{r['load_s']:.1f}, compile {r['compile_s']}, warm-up wall "
+                    f"{r['warmup_wall_s']:.1f} | {counts} | | |"
+                )
+                continue
+            e, pb = r["engine"], r["per_batch"]
             proj = ", ".join(
                 f"{k.removeprefix('projected_rtfx_at_')}: {v}"
                 for k, v in pb.items()
@@ -995,8 +1038,8 @@ def summarise(out_dir: Path) -> None:
                 f"| {r['detector_s']:.3f} "
                 f"| {r['windows']}/{r['batches']} | {pb['measured_steps_per_batch']} "
                 f"| {r['decode_ms_per_step']:.3f} | {r['encoder_ms_per_window']:.2f} | {proj} "
-                f"| {r['warmup_s']:.1f} | {w.get('graphs')}/{w.get('recompiles')}/"
-                f"{w.get('graph_breaks')}/{w.get('cudagraph_skips')} (+{e.get('graphs')} timed) "
+                f"| {r['warmup_s']:.1f} (compile {r.get('compile_s')}) "
+                f"| {counts} (+{e.get('graphs')} timed) "
                 f"| {r['fallbacks']} | {r['text_sha256'][:12]} |"
             )
             if r.get("comparison"):
@@ -1015,7 +1058,7 @@ def summarise(out_dir: Path) -> None:
             ("large-v3 bf16 compiled RTFx", rtfx("large-v3-bf16-compiled"), 1000),
             ("turbo bf16 compiled RTFx", rtfx("turbo-bf16-compiled"), 3000),
         ):
-            lines.append(f"- {label} >= {goal}: {_fmt(got, 0)}")
+            lines.append(f"- {label} >= {goal}: {_fmt(got, 0) if got else 'not measured'}")
         for label, a, b, goal in (
             (
                 "bf16 / f32 (large-v3 compiled)",
@@ -1032,7 +1075,7 @@ def summarise(out_dir: Path) -> None:
             ("compiled / eager (turbo bf16)", "turbo-bf16-compiled", "turbo-bf16-eager", 2.0),
         ):
             ra, rb = rtfx(a), rtfx(b)
-            ratio = f"{ra / rb:.2f}" if ra and rb else "n/a"
+            ratio = f"{ra / rb:.2f}" if ra and rb else "not measured"
             same = ""
             if ra and rb and "eager" in b:
                 same = ", same text: " + str(
@@ -1198,6 +1241,9 @@ def run_stage(name: str) -> int:
         record.update(status="ok", result=result)
         code = 0
     except BaseException as exc:  # recorded, so that the summary says why
+        saved = json.loads(path.read_text())
+        if saved.get("status") == "partial":  # what it had saved stays in the result
+            record["result"] = saved["result"]
         record.update(
             status="failed",
             error=f"{type(exc).__name__}: {exc}"[-3000:],
