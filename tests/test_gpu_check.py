@@ -57,3 +57,23 @@ def test_parity_stage_on_cpu(gpu_check, tmp_path, monkeypatch):
     summary = (out_dir / "summary.md").read_text()
     assert "| cpu_f32_compiled | " in summary
     assert "- cpu_sampled_f32 (T 1.0): compiled draws agree with eager **1.0**" in summary
+
+
+def test_the_plan_answers_by_value_within_the_budget(gpu_check):
+    plan = gpu_check.PLAN
+    planned = [
+        "setup",
+        "parity-turbo",
+        "bench-large-v3-bf16-compiled",
+        "bench-turbo-bf16-compiled",
+        "bench-turbo-bf16-eager",
+        "dtype",
+        "bench-large-v3-bf16-eager",
+        "bench-large-v3-f32-compiled",
+    ]
+    assert [s.name for s in plan[: len(planned)]] == planned
+    assert sum(s.expect_s for s in plan[: len(planned)]) <= gpu_check.BUDGET_S - gpu_check.RESERVE_S
+    for s in plan:
+        assert s.first_s is None or s.first_s <= s.expect_s <= s.limit_s, s
+    # Setup saves nothing of use on its own: it starts only with its whole limit left.
+    assert plan[0].needs_s == plan[0].limit_s
