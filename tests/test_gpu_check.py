@@ -77,3 +77,13 @@ def test_the_plan_answers_by_value_within_the_budget(gpu_check):
         assert s.first_s is None or s.first_s <= s.expect_s <= s.limit_s, s
     # Setup saves nothing of use on its own: it starts only with its whole limit left.
     assert plan[0].needs_s == plan[0].limit_s
+
+
+def test_token_agreement_is_per_window(gpu_check, tmp_path, monkeypatch):
+    monkeypatch.setenv("GPU_CHECK_WORK", str(tmp_path))
+    gpu_check.write_json(tmp_path / "a.tokens.json", [[1, 2, 3, 4], [5, 6]])
+    gpu_check.write_json(tmp_path / "b.tokens.json", [[1, 2, 3, 4], [5, 7]])
+    assert gpu_check.token_agreement("a", "b").endswith(
+        "1/2 windows identical, mean agreement 0.750, mean common prefix 2.5 tokens"
+    )
+    assert gpu_check.token_agreement("a", "c") == "tokens of a vs c: not recorded"
