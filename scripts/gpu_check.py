@@ -45,7 +45,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / ".gpu"
-CARRY = GPU / "carry"
+CARRY = Path(os.environ.get("GPU_CHECK_CARRY", GPU / "carry"))
 SPEECH_PCM = CARRY / "speech-int16.npy"
 TOKENIZER = CARRY / "tokenizer.json"
 PLAN_FILE = CARRY / "plan.json"
@@ -217,9 +217,16 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def save_partial(stage: str, result: dict[str, Any]) -> None:
-    """The stage's result so far, kept if it is killed at its limit before it ends."""
+    """The stage's result so far, kept if it is killed at its limit before it ends.
+
+    GPU_CHECK_STALL names a stage that then hangs, as one compiling past its limit would:
+    the tests' way to see a stage killed with a partial result."""
     record = {"stage": stage, "status": "partial", "result": result}
     write_json(work_dir() / f"{stage}.json", record)
+    if os.environ.get("GPU_CHECK_STALL") == stage:
+        print(f"[gpu_check] {stage}: stalled after its partial result (GPU_CHECK_STALL)")
+        while True:
+            time.sleep(60)
 
 
 def tf32_flags() -> dict[str, Any]:
@@ -406,6 +413,7 @@ def make_model(
 
 
 def stage_setup() -> dict[str, Any]:
+    import importlib.util
     import platform
     import subprocess
 
@@ -428,6 +436,7 @@ def stage_setup() -> dict[str, Any]:
         # torch's defaults, before any model loads: cuDNN allows TF32 for float32
         # convolutions; an f32 load on CUDA turns it off (see parity's flags).
         "tf32_at_start": tf32_flags(),
+        "silero_vad": getattr(importlib.util.find_spec("silero_vad"), "origin", None),
     }
     for name in ("transformers", "safetensors", "tokenizers", "numpy", "triton"):
         try:

@@ -22,7 +22,12 @@
 # Environment: PYTHON (interpreter), OUT, GPU_CHECK_BUDGET_S (whole run, default 465 s;
 # 3000 on the CPU), GPU_CHECK_LIMIT_SCALE (stage limits x this: 1, 5 on the CPU),
 # GPU_CHECK_DEVICE (cuda), GPU_CHECK_SMALL, GPU_CHECK_STAGES (space-separated subset),
-# GPU_CHECK_BLOCK (modules to make unimportable; the dry run blocks the image's absentees).
+# GPU_CHECK_BLOCK (modules to make unimportable; the dry run blocks the image's absentees),
+# GPU_CHECK_CARRY (default .gpu/carry), GPU_CHECK_VAD_INSTALL (pip: install the carried
+# silero-vad wheel when silero-vad is absent, unpacking it if pip fails; unzip: unpack it
+# even where silero-vad is installed, the test of that fallback), GPU_CHECK_LIMITS
+# ("stage=seconds ...": limits of these stages, unscaled) and GPU_CHECK_STALL (a stage
+# that hangs after its first partial result): the tests' stage killed at its limit.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -51,21 +56,32 @@ mkdir -p "$OUT"
 export GPU_CHECK_WORK=${GPU_CHECK_WORK:-$PWD/.gpu/work}
 rm -rf "$GPU_CHECK_WORK"
 mkdir -p "$GPU_CHECK_WORK"
+CARRY=${GPU_CHECK_CARRY:-.gpu/carry}
 exec > >(tee "$OUT/console.txt") 2>&1
 say() { echo "[gpu_check +$(($(date +%s) - STARTED))s] $*"; }
 
-if [[ ! -f .gpu/carry/plan.json ]]; then
-  say ".gpu/carry/plan.json is missing: run 'scripts/gpu_check.sh prepare' on the CPU machine and carry .gpu/carry"
+if [[ ! -f $CARRY/plan.json ]]; then
+  say "$CARRY/plan.json is missing: run 'scripts/gpu_check.sh prepare' on the CPU machine and carry .gpu/carry"
   exit 2
 fi
 
-# The speech detector reads its weights from the installed silero-vad wheel; carried.
-if ! "$PY" -c 'import importlib.metadata as m; m.distribution("silero-vad")' 2>/dev/null; then
-  site=$PWD/.gpu/site
-  if "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" \
-      .gpu/carry/silero_vad-*.whl; then
+# The speech detector reads its weights from the installed silero-vad wheel; carried. A
+# wheel is a zip of the files an install puts in place (pure Python here): unpacked onto
+# PYTHONPATH, it imports, its metadata included, where pip is absent or fails.
+vad_install=${GPU_CHECK_VAD_INSTALL:-pip}
+if [[ $vad_install == unzip ]] \
+  || ! "$PY" -c 'import importlib.metadata as m; m.distribution("silero-vad")' 2>/dev/null; then
+  site=$GPU_CHECK_WORK/site
+  wheel=$(ls "$CARRY"/silero_vad-*.whl 2>/dev/null | head -n 1)
+  if [[ -z $wheel ]]; then
+    say "no silero-vad wheel in $CARRY: the stages that transcribe will fail"
+  elif [[ $vad_install == pip ]] && "$PY" -m pip install -q --no-index --no-deps --no-compile \
+      --target "$site" "$wheel"; then
     export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
-    say "silero-vad installed from the carried wheel into $site"
+    say "silero-vad installed from $wheel into $site"
+  elif "$PY" -m zipfile -e "$wheel" "$site"; then
+    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+    say "silero-vad unpacked from $wheel into $site ($vad_install)"
   else
     say "silero-vad could not be installed: the stages that transcribe will fail"
   fi
@@ -77,8 +93,11 @@ PLAN=("${PLAN[@]:1}")
 BUDGET=${BUDGET:-${GPU_CHECK_BUDGET_S:-$default_budget}}
 DEADLINE=$((STARTED + BUDGET))
 
-scaled() {  # name limit needs -> "limit needs" of this run, scaled
-  local limit=$(($2 * SCALE)) needs=$(($3 * SCALE))
+scaled() {  # name limit needs -> "limit needs" of this run: scaled, GPU_CHECK_LIMITS's
+  local entry limit=$(($2 * SCALE)) needs=$(($3 * SCALE))
+  for entry in ${GPU_CHECK_LIMITS:-}; do
+    [[ ${entry%%=*} == "$1" ]] && limit=${entry#*=}
+  done
   echo "$limit" $((needs < limit ? needs : limit))
 }
 

@@ -1,11 +1,21 @@
-"""scripts/gpu_check.py's parity stage, on the CPU with tiny shapes: teacher forcing through
-the engine's own step (eager and compiled) reproduces the free-running reference."""
+"""scripts/gpu_check.{sh,py} on the CPU with tiny shapes: the parity stage (teacher forcing
+through the engine's own step, eager and compiled, reproduces the free-running reference),
+the plan, and the driver killing a stage at its limit with its partial result kept."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
+import numpy as np
 import pytest
 from util import REPO, real_tokenizer, shared_clip
 
@@ -87,3 +97,70 @@ def test_token_agreement_is_per_window(gpu_check, tmp_path, monkeypatch):
         "1/2 windows identical, mean agreement 0.750, mean common prefix 2.5 tokens"
     )
     assert gpu_check.token_agreement("a", "c") == "tokens of a vs c: not recorded"
+
+
+def repacked_wheel(name: str, into: Path) -> Path:
+    """The installed distribution `name` zipped back into a wheel (its files, metadata
+    included): the carried wheel, with no network."""
+    dist = importlib.metadata.distribution(name)
+    wheel = into / f"{name.replace('-', '_')}-{dist.version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for file in dist.files or ():
+            if ".." not in file.parts and file.suffix != ".pyc":
+                zf.write(file.locate(), str(file))
+    return wheel
+
+
+def test_a_stage_killed_at_its_limit_keeps_its_partial_result(tmp_path):
+    """The driver on the CPU with setup and one bench stage, which hangs after its warm-up
+    (GPU_CHECK_STALL, as a compile running long would) and is killed at its limit:
+    summary.md shows its warm-up result and names the stages not run, with why: dtype
+    (60 s needed, x5 on the CPU) finds less than that of the 95 s budget left after them.
+    silero-vad comes from the carried wheel by the unzip fallback (GPU_CHECK_VAD_INSTALL)."""
+    from whisper_cli.audio import load_audio
+
+    carry, work, out = tmp_path / "carry", tmp_path / "work", tmp_path / "out"
+    carry.mkdir()
+    shutil.copyfile(real_tokenizer("base"), carry / "tokenizer.json")
+    clip = load_audio(shared_clip("jfk.flac"))
+    np.save(carry / "speech-int16.npy", np.round(clip * 32767).astype(np.int16))
+    plan = {"duration_s": {"small": 60.0, "full": 860.0}, "real_steps_per_batch": {"base": 9}}
+    (carry / "plan.json").write_text(json.dumps(plan))
+    repacked_wheel("silero-vad", carry)
+    stage, limit = "bench-turbo-bf16-eager", 25  # its warm-up takes a few seconds
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "GPU_CHECK_DEVICE": "cpu",
+        "GPU_CHECK_SMALL": "1",
+        "GPU_CHECK_CARRY": str(carry),
+        "GPU_CHECK_WORK": str(work),
+        "GPU_CHECK_MODELS": str(tmp_path / "models"),
+        "OUT": str(out),
+        "GPU_CHECK_STAGES": f"setup {stage} dtype",
+        "GPU_CHECK_BUDGET_S": "95",  # 85 s after the summary's reserve
+        "GPU_CHECK_LIMITS": f"setup=60 {stage}={limit}",
+        "GPU_CHECK_STALL": stage,
+        "GPU_CHECK_VAD_INSTALL": "unzip",
+    }
+    run = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "silero-vad unpacked from" in run.stdout
+    site = work / "site"
+    setup = json.loads((work / "setup.json").read_text())
+    assert setup["status"] == "ok"
+    assert setup["result"]["env"]["silero_vad"] == str(site / "silero_vad" / "__init__.py")
+    summary = (out / "summary.md").read_text()
+    assert f"| {stage} | timed out after {limit} s, partial result kept |" in summary
+    assert "| turbo-bf16-eager | warm-up only: RTFx " in summary
+    assert "not run: parity-turbo (not selected (GPU_CHECK_STAGES)); " in summary
+    skipped = re.search(r"\| dtype \| skipped: (\d+)s of the budget left, needs 60s \|", summary)
+    assert skipped and int(skipped[1]) < 60, summary
+    assert "; dtype (skipped: " in summary
+    assert "- turbo bf16 compiled RTFx >= 3000: not measured" in summary
