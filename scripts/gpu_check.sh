@@ -23,11 +23,9 @@
 # 3000 on the CPU), GPU_CHECK_LIMIT_SCALE (stage limits x this: 1, 5 on the CPU),
 # GPU_CHECK_DEVICE (cuda), GPU_CHECK_SMALL, GPU_CHECK_STAGES (space-separated subset),
 # GPU_CHECK_BLOCK (modules to make unimportable; the dry run blocks the image's absentees),
-# GPU_CHECK_CARRY (default .gpu/carry), GPU_CHECK_VAD_INSTALL (pip: install the carried
-# silero-vad wheel when silero-vad is absent, unpacking it if pip fails; unzip: unpack it
-# even where silero-vad is installed, the test of that fallback), GPU_CHECK_LIMITS
-# ("stage=seconds ...": limits of these stages, unscaled) and GPU_CHECK_STALL (a stage
-# that hangs after its first partial result): the tests' stage killed at its limit.
+# GPU_CHECK_CARRY (default .gpu/carry), GPU_CHECK_LIMITS ("stage=seconds ...": limits of
+# these stages, unscaled) and GPU_CHECK_STALL (a stage that hangs after its first partial
+# result): the tests' stage killed at its limit.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -68,20 +66,17 @@ fi
 # The speech detector reads its weights from the installed silero-vad wheel; carried. A
 # wheel is a zip of the files an install puts in place (pure Python here): unpacked onto
 # PYTHONPATH, it imports, its metadata included, where pip is absent or fails.
-vad_install=${GPU_CHECK_VAD_INSTALL:-pip}
-if [[ $vad_install == unzip ]] \
-  || ! "$PY" -c 'import importlib.metadata as m; m.distribution("silero-vad")' 2>/dev/null; then
+if ! "$PY" -c 'import importlib.metadata as m; m.distribution("silero-vad")' 2>/dev/null; then
   site=$GPU_CHECK_WORK/site
   wheel=$(ls "$CARRY"/silero_vad-*.whl 2>/dev/null | head -n 1)
   if [[ -z $wheel ]]; then
     say "no silero-vad wheel in $CARRY: the stages that transcribe will fail"
-  elif [[ $vad_install == pip ]] && "$PY" -m pip install -q --no-index --no-deps --no-compile \
-      --target "$site" "$wheel"; then
+  elif "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheel"; then
     export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
     say "silero-vad installed from $wheel into $site"
   elif "$PY" -m zipfile -e "$wheel" "$site"; then
     export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
-    say "silero-vad unpacked from $wheel into $site ($vad_install)"
+    say "silero-vad unpacked from $wheel into $site (pip install failed)"
   else
     say "silero-vad could not be installed: the stages that transcribe will fail"
   fi
