@@ -16,14 +16,16 @@ timestamp pair: every window decodes max_new_tokens, the worst case. Bench rows 
 report steps per batch and ms per step, and a *projected* RTFx at the steps per batch real
 models decode on the same audio (plan.json), next to the measured one.
 
-Stages (`plan` lists them with their time limits), in priority order:
+Stages (PLAN, in order of the value of their answer per second, with their limits):
   setup       environment, models, audio, the window count of the bench audio
   parity-*    teacher-forced logits: CPU f32 reference vs device eager vs device compiled
               (the engine's own compiled step), f32 and bf16
   dtype       the dtype recorder (tests/dtype_recorder.py) over a whole run on the device
   bench-*     whisper_cli.tools.bench.measure, one configuration per stage (process)
   encoder     torch.compile of the encoder against eager, ms per window
-Each stage writes <work>/<stage>.json; `summary` gathers them into $OUT.
+Each stage writes <work>/<stage>.json, and a partial result there as it goes (save_partial:
+a bench after its warm-up, parity after each path), which a stage killed at its limit
+keeps; `summary` gathers them into $OUT.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / ".gpu"
-CARRY = GPU / "carry"
+CARRY = Path(os.environ.get("GPU_CHECK_CARRY", GPU / "carry"))
 SPEECH_PCM = CARRY / "speech-int16.npy"
 TOKENIZER = CARRY / "tokenizer.json"
 PLAN_FILE = CARRY / "plan.json"
@@ -63,9 +65,16 @@ MISSING_OK = ("soundfile", "soxr")  # imported at the top of whisper_cli.audio o
 class Stage:
     name: str
     limit_s: int  # its own timeout
-    min_s: int  # not started with less than this left of the whole budget
     expect_s: int  # the planned time on an H200 (a guess: no GPU was lent to write this)
+    # Planned time to its first partial result; None: of use only if it runs to its end.
+    first_s: int | None
     what: str
+
+    @property
+    def needs_s(self) -> int:
+        """Not started with less than this left of the budget: a stage that saves no partial
+        result must be able to run to its limit, one that does to its first result."""
+        return self.limit_s if self.first_s is None else self.first_s
 
 
 @dataclass(frozen=True)
@@ -87,24 +96,30 @@ BENCH = {
     "bench-turbo-bf16-transformers": BenchRun("turbo", "bf16", False, "transformers"),
 }
 
-# Planned times are guesses for an H200 (no GPU was lent while this was written): a
-# compiled large-v3 configuration is mostly its compile (32 decoder layers), a bench run
-# itself about a second. The stages up to the encoder are planned at ~435 s of the 465 s
-# budget; the limits stop a stage that hangs or compiles far longer than planned.
+# The whole run's budget (the device runs the driver under its own timeout, 540 s), and
+# what the driver keeps of it for the last summary.
+BUDGET_S, RESERVE_S = 465, 10
+
+# In order of the value of their answer per second. Planned times are guesses for an H200
+# (no GPU was lent while this was written): a compiled large-v3 configuration is mostly its
+# compile (32 decoder layers, 40-100 s from cold caches), a bench run itself a few seconds.
+# The stages through bench-large-v3-f32-compiled are planned within the budget; the later
+# ones run if the guesses were high. A stage whose limit is longer than what is left runs
+# to what is left, if that is at least what it needs (Stage.needs_s).
 PLAN = (
-    Stage("setup", 75, 40, 30, "environment; random-weight large-v3 and turbo; audio; windows"),
-    Stage("parity-turbo", 150, 75, 90, "teacher-forced logits, CPU f32 vs eager vs compiled"),
-    Stage("dtype", 60, 25, 20, "dtype recorder over whole bf16 and f16 runs, on the device"),
-    Stage("bench-large-v3-bf16-compiled", 120, 60, 80, "headline: target RTFx >= 1000"),
-    Stage("bench-large-v3-f32-compiled", 110, 60, 75, "bf16 >= 1.6x f32"),
-    Stage("bench-large-v3-bf16-eager", 60, 30, 25, "compiled >= 2x eager"),
-    Stage("bench-turbo-bf16-compiled", 75, 40, 35, "target RTFx >= 3000"),
-    Stage("bench-turbo-bf16-eager", 45, 25, 20, "compiled >= 2x eager (turbo)"),
-    Stage("encoder", 90, 45, 60, "large-v3 bf16 encoder, torch.compile vs eager"),
-    Stage("parity-large-v3", 150, 80, 120, "teacher-forced logits with 32 decoder layers"),
-    Stage("bench-large-v3-f16-compiled", 110, 60, 75, "f16"),
-    Stage("bench-turbo-f16-compiled", 60, 35, 35, "f16 (turbo)"),
-    Stage("bench-turbo-bf16-transformers", 90, 45, 50, "against the transformers reference"),
+    Stage("setup", 75, 30, None, "environment; random-weight turbo and large-v3; audio; windows"),
+    Stage("parity-turbo", 150, 90, 25, "teacher-forced logits, CPU f32 vs eager vs compiled"),
+    Stage("bench-large-v3-bf16-compiled", 200, 105, 95, "headline: target RTFx >= 1000"),
+    Stage("bench-turbo-bf16-compiled", 90, 35, 30, "target RTFx >= 3000"),
+    Stage("bench-turbo-bf16-eager", 60, 20, 15, "compiled >= 2x eager (turbo)"),
+    Stage("dtype", 60, 20, 12, "dtype recorder over whole bf16 and f16 runs, on the device"),
+    Stage("bench-large-v3-bf16-eager", 90, 40, 25, "compiled >= 2x eager"),
+    Stage("bench-large-v3-f32-compiled", 200, 105, 95, "bf16 >= 1.6x f32"),
+    Stage("encoder", 90, 60, 25, "large-v3 bf16 encoder, torch.compile vs eager"),
+    Stage("parity-large-v3", 180, 150, 40, "teacher-forced logits with 32 decoder layers"),
+    Stage("bench-large-v3-f16-compiled", 200, 105, 95, "f16"),
+    Stage("bench-turbo-f16-compiled", 90, 35, 30, "f16 (turbo)"),
+    Stage("bench-turbo-bf16-transformers", 90, 50, 30, "against the transformers reference"),
 )
 
 
@@ -124,9 +139,11 @@ def models_dir() -> Path:
     return Path(os.environ.get("GPU_CHECK_MODELS", GPU / ("models-small" if small() else "models")))
 
 
-# name: d_model, encoder layers, decoder layers, heads (real shapes unless small)
-SHAPES = {"large-v3": (1280, 32, 32, 20), "turbo": (1280, 32, 4, 20)}
-SMALL_SHAPES = {"large-v3": (64, 2, 2, 4), "turbo": (64, 2, 1, 4)}
+# name: d_model, encoder layers, decoder layers, heads (real shapes unless small). Setup
+# makes them in this order: turbo first, so that a setup killed while it writes the
+# larger large-v3 still leaves the turbo stages a model.
+SHAPES = {"turbo": (1280, 32, 4, 20), "large-v3": (1280, 32, 32, 20)}
+SMALL_SHAPES = {"turbo": (64, 2, 1, 4), "large-v3": (64, 2, 2, 4)}
 N_MELS, VOCAB = 128, 51866
 
 
@@ -182,9 +199,57 @@ _ABSENT = object()
 # --- helpers -------------------------------------------------------------------------------
 
 
-def write_json(path: Path, data: Any) -> None:
+def temporary_for(path: Path) -> Path:
+    """Where `path` is written before it is renamed over the old one (os.replace): a
+    process killed at its limit while writing leaves the earlier file whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str))
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def write_text(path: Path, text: str) -> None:
+    temporary = temporary_for(path)
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def write_json(path: Path, data: Any) -> None:
+    write_text(path, json.dumps(data, indent=2, default=str))
+
+
+def save_partial(stage: str, result: dict[str, Any]) -> None:
+    """The stage's result so far, kept if it is killed at its limit before it ends.
+
+    GPU_CHECK_STALL names a stage that then hangs, as one compiling past its limit would:
+    the tests' way to see a stage killed with a partial result."""
+    record = {"stage": stage, "status": "partial", "result": result}
+    write_json(work_dir() / f"{stage}.json", record)
+    if os.environ.get("GPU_CHECK_STALL") == stage:
+        print(f"[gpu_check] {stage}: stalled after its partial result (GPU_CHECK_STALL)")
+        while True:
+            time.sleep(60)
+
+
+def tf32_flags() -> dict[str, Any]:
+    """The TF32 switches as torch reads them now: the legacy flags (which whisper-cli sets
+    for f32 on CUDA, dtypes.ieee_float32) and the newer fp32_precision ones. torch refuses
+    some reads after a mix of the two APIs: that refusal is reported as the value."""
+    import torch
+
+    backends = torch.backends
+    reads = {
+        "matmul allow_tf32": lambda: backends.cuda.matmul.allow_tf32,
+        "cudnn allow_tf32": lambda: backends.cudnn.allow_tf32,
+        "matmul fp32_precision": lambda: backends.cuda.matmul.fp32_precision,
+        "cudnn conv fp32_precision": lambda: backends.cudnn.conv.fp32_precision,
+        "float32_matmul_precision": torch.get_float32_matmul_precision,
+    }
+    flags: dict[str, Any] = {}
+    for name, read in reads.items():
+        try:
+            flags[name] = read()
+        except (AttributeError, RuntimeError) as exc:
+            flags[name] = f"unreadable: {type(exc).__name__}: {exc}"[:160]
+    return flags
 
 
 def read_plan() -> dict[str, Any]:
@@ -348,6 +413,7 @@ def make_model(
 
 
 def stage_setup() -> dict[str, Any]:
+    import importlib.util
     import platform
     import subprocess
 
@@ -367,11 +433,10 @@ def stage_setup() -> dict[str, Any]:
         "stand_ins": os.environ.get("GPU_CHECK_STAND_INS", ""),
         "small": small(),
         "device": device_name(),
-        # What "f32" means on CUDA: TF32 in cuBLAS matmuls or cuDNN convolutions (the
-        # encoder's two) would be ~1e-3 relative, enough to fail the f32 parity.
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        # torch's defaults, before any model loads: cuDNN allows TF32 for float32
+        # convolutions; an f32 load on CUDA turns it off (see parity's flags).
+        "tf32_at_start": tf32_flags(),
+        "silero_vad": getattr(importlib.util.find_spec("silero_vad"), "origin", None),
     }
     for name in ("transformers", "safetensors", "tokenizers", "numpy", "triton"):
         try:
@@ -398,6 +463,7 @@ def stage_setup() -> dict[str, Any]:
         started = time.perf_counter()
         make_model(models_dir() / name, shape, make_on)
         timings[f"make_{name}_s"] = round(time.perf_counter() - started, 1)
+        save_partial("setup", {"env": env, "timings": timings})
     # The windows the pipeline cuts from the bench audio, with this machine's detector.
     path, n_samples = bench_audio()
     import numpy as np
@@ -557,6 +623,7 @@ def parity(
         started = time.perf_counter()
         loaded = load_model(str(model_dir), policy)
         load_s = time.perf_counter() - started
+        out.setdefault("tf32", {})[dtype] = tf32_flags()  # as the device paths run
         results = {}
         for compiled in (c for d, c in paths if d == dtype):
             name = f"{device}_{dtype}_{'compiled' if compiled else 'eager'}"
@@ -638,10 +705,6 @@ def sampled_parity(loaded, mel, steps: int, forced) -> dict[str, Any]:
 
 def stage_parity(model: str) -> dict[str, Any]:
     rows, steps = (2, 8) if small() else (4, 32)
-    path = work_dir() / f"parity-{model}.json"
-
-    def partial(out: dict[str, Any]) -> None:
-        write_json(path, {"stage": f"parity-{model}", "status": "partial", "result": out})
 
     # The sampled step once, on turbo's 4 decoder layers (large-v3's 32 compile longer).
     sampled = ("f32",) if model == "turbo" else ()
@@ -651,7 +714,7 @@ def stage_parity(model: str) -> dict[str, Any]:
         speech_clip(),
         rows,
         steps,
-        on_partial=partial,
+        on_partial=lambda out: save_partial(f"parity-{model}", out),
         sampled=sampled,
     )
 
@@ -712,6 +775,7 @@ def stage_dtype() -> dict[str, Any]:
             and bool(kv)
             and {t.dtype for t in kv} == {policy.dtype},
         }
+        save_partial("dtype", out)
         del transcriber, loaded
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -736,12 +800,34 @@ def projected(result: dict[str, Any], plan: dict[str, Any], on_cuda: bool) -> di
     return out
 
 
+def compile_seconds() -> float | None:
+    """Seconds torch.compile has spent in this process (dynamo's own metrics); None if it
+    never compiled."""
+    if "torch._dynamo" not in sys.modules:
+        return None
+    from torch._dynamo.utils import compile_times
+
+    times = compile_times(repr="csv", aggregate=True)
+    total = dict(zip(*times, strict=True)).get("_compile.compile_inner") if times else None
+    return None if total is None else round(float(total), 1)
+
+
+def tokens_path(stage: str) -> Path:
+    return work_dir() / f"{stage}.tokens.json"
+
+
 def stage_bench(name: str) -> dict[str, Any]:
+    """One bench configuration; a partial result after its warm-up (load, compile and
+    warm-up wall, the counters), and each window's tokens of the warm-up run."""
+    from whisper_cli.engine import Engine
     from whisper_cli.tools import bench
 
     run = BENCH[name]
     audio, n_samples = bench_audio()
     batch = SMALL_BATCH if small() else BATCH
+    # large-v3 on CUDA: one timed run after the warm-up (each is 2 x 224 steps of 32 layers;
+    # two more for a median would cost the time the later stages need).
+    one = small() or (run.model == "large-v3" and device_name() == "cuda")
     config = bench.BenchConfig(
         model=str(models_dir() / run.model),
         dtypes=(run.dtype,),
@@ -750,14 +836,37 @@ def stage_bench(name: str) -> dict[str, Any]:
         duration=n_samples / SAMPLE_RATE,
         max_new_tokens=16 if small() else MAX_NEW_TOKENS,
         compile="on" if run.compile else "off",
-        repeats=1 if small() else 3,
+        repeats=1 if one else 3,
         against=run.against,
         device=device_name(),
     )
     result_path = work_dir() / f"{name}.result.json"
     spec = bench._child_spec(config, run.dtype, audio, n_samples, result_path)
-    result = dataclasses.asdict(bench.measure(spec))
+    windows: list[list[int]] = []  # each decoded window's tokens, in decode order
+    decode = Engine.decode
+
+    def recorded(self, *args, **kwargs):
+        rows = decode(self, *args, **kwargs)
+        windows.extend(list(row.tokens) for row in rows)
+        return rows
+
+    compile_s: list[float | None] = []
+
+    def warmed_up(partial: dict[str, Any]) -> None:
+        Engine.decode = decode  # the timed runs as shipped
+        write_text(tokens_path(name), json.dumps(windows))
+        compile_s.append(compile_seconds())
+        partial["compile_s"] = compile_s[0]
+        partial["warmup_rtfx"] = partial["audio_s"] / partial["warmup_wall_s"]
+        save_partial(name, {"partial": "warm-up only", **partial})
+
+    Engine.decode = recorded
+    try:
+        result = dataclasses.asdict(bench.measure(spec, on_warmup=warmed_up))
+    finally:
+        Engine.decode = decode
     result.pop("text")
+    result["compile_s"] = compile_s[0]
     plan = read_plan()
     result["per_batch"] = projected(result, plan, device_name() == "cuda")
     result["full_batches"] = result["windows"] == result["batches"] * batch
@@ -799,6 +908,7 @@ def stage_encoder() -> dict[str, Any]:
     out: dict[str, Any] = {"batch": batch, "repeats": repeats}
     first, eager_ms, eager = time_encode()
     out["eager"] = {"ms_per_window": round(eager_ms, 3), "first_s": round(first, 2)}
+    save_partial("encoder", out)
     encoder = loaded.model.encoder
     for mode in ("default", "max-autotune-no-cudagraphs"):
         if small() and mode != "default":
@@ -819,10 +929,7 @@ def stage_encoder() -> dict[str, Any]:
             "speedup_vs_eager": round(eager_ms / ms, 3),
             "max_abs_diff_vs_eager": float((features.float() - eager.float()).abs().max()),
         }
-        # Kept if a later mode runs past the stage's limit (max-autotune tunes for long).
-        write_json(
-            work_dir() / "encoder.json", {"stage": "encoder", "status": "partial", "result": out}
-        )
+        save_partial("encoder", out)  # max-autotune, next, tunes for long
     return out
 
 
@@ -831,6 +938,31 @@ def stage_encoder() -> dict[str, Any]:
 
 def _fmt(value: Any, digits: int = 1) -> str:
     return f"{value:.{digits}f}" if isinstance(value, int | float) else str(value)
+
+
+def token_agreement(a: str, b: str) -> str:
+    """Per-window token agreement of two bench stages' warm-up runs, in words: informational,
+    not a verdict. With random weights ~9% of the steps have their top two logits within
+    one bf16 step, where a compiled graph's other rounding may choose the other; a window
+    then goes on from another token (real weights are rarely that close)."""
+    paths = tokens_path(a), tokens_path(b)
+    if not all(p.is_file() for p in paths):
+        return f"tokens of {a} vs {b}: not recorded"
+    x, y = (json.loads(p.read_text()) for p in paths)
+    if len(x) != len(y):
+        return f"tokens of {a} vs {b}: {len(x)} against {len(y)} windows"
+    identical, agreement, prefix = 0, 0.0, 0
+    for s, t in zip(x, y, strict=True):
+        same = [u == v for u, v in zip(s, t, strict=False)]
+        identical += s == t
+        agreement += sum(same) / max(len(s), len(t), 1)
+        prefix += same.index(False) if False in same else len(same)
+    n = max(len(x), 1)
+    return (
+        f"per-window tokens (informational, not a verdict): {identical}/{len(x)} windows "
+        f"identical, mean agreement {agreement / n:.3f}, mean common prefix {prefix / n:.1f} "
+        f"tokens"
+    )
 
 
 def summarise(out_dir: Path) -> None:
@@ -844,18 +976,20 @@ def summarise(out_dir: Path) -> None:
                 stages[stage.name] = json.loads(path.read_text())
             except json.JSONDecodeError as exc:
                 stages[stage.name] = {"status": "unreadable", "error": str(exc)}
-    driver = work / "driver.tsv"  # the shell's view: exit status, limit, elapsed
+    # The shell's view: exit status (-1 skipped, -2 not selected), limit, elapsed, why not run.
+    driver = work / "driver.tsv"
     if driver.is_file():
         for line in driver.read_text().splitlines():
-            name, rc, limit, elapsed = line.split("\t")
+            name, rc, limit, elapsed, why = line.split("\t")
             st = stages.setdefault(name, {"stage": name})
             st.update(limit_s=int(limit), driver_s=int(elapsed), rc=int(rc))
-            if rc == "-1":
-                st["status"] = "skipped: too little of the budget left"
+            kept = ", partial result kept" if st.get("status") == "partial" else ""
+            if int(rc) < 0:
+                st["status"] = why
             elif rc in ("124", "137"):
-                st["status"] = f"timed out after {limit} s"
-            elif st.get("status") in (None, "running"):
-                st["status"] = f"exited {rc} without a result"
+                st["status"] = f"timed out after {limit} s{kept}"
+            elif st.get("status") in (None, "running", "partial"):
+                st["status"] = f"exited {rc}{kept or ' without a result'}"
     write_json(out_dir / "summary.json", stages)
     lines = ["# GPU check", ""]
     setup = stages.get("setup", {}).get("result", {})
@@ -871,12 +1005,17 @@ def summarise(out_dir: Path) -> None:
             f"(expected {setup.get('windows_expected')})"
         )
     lines += ["", "| stage | status | s | limit s |", "|---|---|---|---|"]
+    not_run = []
     for stage in PLAN:
         st = stages.get(stage.name, {})
+        status = st.get("status", "not reached")
         lines.append(
-            f"| {stage.name} | {st.get('status', 'not run')} | {_fmt(st.get('driver_s', ''))} "
+            f"| {stage.name} | {status} | {_fmt(st.get('driver_s', ''))} "
             f"| {st.get('limit_s', stage.limit_s)} |"
         )
+        if st.get("rc", -1) < 0 and "result" not in st:
+            not_run.append(f"{stage.name} ({status})")
+    lines += ["", f"not run: {'; '.join(not_run) or 'none'}"]
     for model in ("turbo", "large-v3"):
         p = stages.get(f"parity-{model}", {}).get("result")
         if not p:
@@ -888,12 +1027,14 @@ def summarise(out_dir: Path) -> None:
             f"{p['reference_max_abs_logit']}, "
             f"smallest top-2 margin {p['reference_min_margin']}"
         )
+        for dtype, flags in p.get("tf32", {}).items():
+            lines.append(f"- TF32 flags while the {dtype} paths ran: {flags}")
         lines += [
             "",
-            "| path | max abs logit diff vs CPU f32 | token agreement | vs eager "
-            "(tokens, max diff) | graphs | recompiles | breaks | cudagraph skips | "
-            "ms/step |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| path | max abs logit diff vs CPU f32 | max abs encoder diff vs CPU f32 "
+            "| token agreement | vs eager (tokens, max diff) | graphs | recompiles | breaks "
+            "| cudagraph skips | ms/step |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for key, v in p.items():
             if not isinstance(v, dict) or "vs_cpu_f32" not in v:
@@ -903,7 +1044,8 @@ def summarise(out_dir: Path) -> None:
             c, e = v["vs_cpu_f32"], v.get("vs_eager")
             eager = f"{e['token_agreement']:.4f}, {e['max_abs_logit_diff']:.2e}" if e else ""
             lines.append(
-                f"| {key} | {c['max_abs_logit_diff']:.2e} | {c['token_agreement']:.4f} | {eager} "
+                f"| {key} | {c['max_abs_logit_diff']:.2e} | {c['max_abs_encoder_diff']:.2e} "
+                f"| {c['token_agreement']:.4f} | {eager} "
                 f"| {v['graphs']} | {v['recompiles']} | {v['graph_breaks']} "
                 f"| {v['cudagraph_skips']} | {v['ms_per_step_last']} |"
             )
@@ -939,13 +1081,26 @@ def summarise(out_dir: Path) -> None:
             "## bench (random weights: every window decodes max_new_tokens)",
             "",
             "| config | RTFx | wall s | detector s | windows/batches | steps/batch | ms/step "
-            "| enc ms/win "
-            "| projected RTFx (real steps/batch) | warm-up s | graphs/recompiles/breaks/"
-            "cg skips | fallbacks | text sha256 |",
+            "| enc ms/win | projected RTFx (real steps/batch) | warm-up s (compile s) "
+            "| graphs/recompiles/breaks/cg skips | fallbacks | text sha256 |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in bench_rows:
-            e, w, pb = r["engine"], r["engine_warmup"], r["per_batch"]
+            w = r["engine_warmup"]
+            counts = (
+                f"{w.get('graphs')}/{w.get('recompiles')}/{w.get('graph_breaks')}/"
+                f"{w.get('cudagraph_skips')}"
+            )
+            if "partial" in r:  # killed in its timed runs: what the warm-up told
+                lines.append(
+                    f"| {name.removeprefix('bench-')} | {r['partial']}: RTFx {r['warmup_rtfx']:.0f}"
+                    f" (the warm-up, any compile in it) | {r['warmup_wall_s']:.3f} | | "
+                    f"{w.get('decoded_rows')}/{w.get('decodes')} | | | | | load "
+                    f"{r['load_s']:.1f}, compile {r['compile_s']}, warm-up wall "
+                    f"{r['warmup_wall_s']:.1f} | {counts} | | |"
+                )
+                continue
+            e, pb = r["engine"], r["per_batch"]
             proj = ", ".join(
                 f"{k.removeprefix('projected_rtfx_at_')}: {v}"
                 for k, v in pb.items()
@@ -956,8 +1111,8 @@ def summarise(out_dir: Path) -> None:
                 f"| {r['detector_s']:.3f} "
                 f"| {r['windows']}/{r['batches']} | {pb['measured_steps_per_batch']} "
                 f"| {r['decode_ms_per_step']:.3f} | {r['encoder_ms_per_window']:.2f} | {proj} "
-                f"| {r['warmup_s']:.1f} | {w.get('graphs')}/{w.get('recompiles')}/"
-                f"{w.get('graph_breaks')}/{w.get('cudagraph_skips')} (+{e.get('graphs')} timed) "
+                f"| {r['warmup_s']:.1f} (compile {r.get('compile_s')}) "
+                f"| {counts} (+{e.get('graphs')} timed) "
                 f"| {r['fallbacks']} | {r['text_sha256'][:12]} |"
             )
             if r.get("comparison"):
@@ -976,7 +1131,7 @@ def summarise(out_dir: Path) -> None:
             ("large-v3 bf16 compiled RTFx", rtfx("large-v3-bf16-compiled"), 1000),
             ("turbo bf16 compiled RTFx", rtfx("turbo-bf16-compiled"), 3000),
         ):
-            lines.append(f"- {label} >= {goal}: {_fmt(got, 0)}")
+            lines.append(f"- {label} >= {goal}: {_fmt(got, 0) if got else 'not measured'}")
         for label, a, b, goal in (
             (
                 "bf16 / f32 (large-v3 compiled)",
@@ -993,24 +1148,24 @@ def summarise(out_dir: Path) -> None:
             ("compiled / eager (turbo bf16)", "turbo-bf16-compiled", "turbo-bf16-eager", 2.0),
         ):
             ra, rb = rtfx(a), rtfx(b)
-            ratio = f"{ra / rb:.2f}" if ra and rb else "n/a"
-            same = ""
-            if ra and rb and "eager" in b:
-                same = ", same text: " + str(
-                    res[f"bench-{a}"]["text_sha256"] == res[f"bench-{b}"]["text_sha256"]
-                )
-            lines.append(f"- {label} >= {goal}: {ratio}{same}")
+            ratio = f"{ra / rb:.2f}" if ra and rb else "not measured"
+            lines.append(f"- {label} >= {goal}: {ratio}")
+            if "eager" in b:
+                lines.append(f"  - {token_agreement(f'bench-{a}', f'bench-{b}')}")
     enc = stages.get("encoder", {}).get("result")
     if enc:
         lines += ["", f"## encoder (large-v3 bf16, batch {enc['batch']})"]
         for key in ("eager", "default", "max-autotune-no-cudagraphs"):
             if key in enc:
                 lines.append(f"- {key}: {enc[key]}")
-    (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
-    with tarfile.open(out_dir / "logs.tar.gz", "w:gz") as tar:
+    write_text(out_dir / "summary.md", "\n".join(lines) + "\n")
+    logs = out_dir / "logs.tar.gz"
+    temporary = temporary_for(logs)
+    with tarfile.open(temporary, "w:gz") as tar:
         for path in sorted(work.glob("*")):
             if path.suffix in (".json", ".log") and path.stat().st_size < 20 * 2**20:
                 tar.add(path, arcname=f"gpu_check/{path.name}")
+    os.replace(temporary, logs)
 
 
 # --- prepare (here, on the CPU machine) -------------------------------------------------------
@@ -1156,6 +1311,9 @@ def run_stage(name: str) -> int:
         record.update(status="ok", result=result)
         code = 0
     except BaseException as exc:  # recorded, so that the summary says why
+        saved = json.loads(path.read_text())
+        if saved.get("status") == "partial":  # what it had saved stays in the result
+            record["result"] = saved["result"]
         record.update(
             status="failed",
             error=f"{type(exc).__name__}: {exc}"[-3000:],
@@ -1177,11 +1335,10 @@ def main(argv: list[str]) -> int:
     if blocked:
         block_imports(blocked)
     command = argv[0]
-    if command == "plan":  # name limit min, for the shell driver
-        for stage in PLAN:
-            print(
-                stage.name, stage.limit_s, stage.min_s, stage.expect_s, stage.what.replace(" ", "_")
-            )
+    if command == "plan":  # for the shell driver: the budget, then one line a stage
+        print(BUDGET_S, RESERVE_S)
+        for st in PLAN:
+            print(st.name, st.limit_s, st.needs_s, st.expect_s, st.what.replace(" ", "_"))
         return 0
     if command == "summary":
         summarise(Path(argv[1]))

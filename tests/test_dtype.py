@@ -136,3 +136,46 @@ def test_expand_dtypes_of_bench_and_eval():
         dtypes.expand_dtypes("f8")
     with pytest.raises(WhisperCliError, match="no dtype given"):
         dtypes.expand_dtypes([])
+
+
+def tf32_flags() -> tuple[bool, bool]:
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+def set_tf32(matmul: bool, cudnn: bool) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = matmul
+    torch.backends.cudnn.allow_tf32 = cudnn
+
+
+@pytest.fixture
+def tf32_on():
+    """TF32 allowed for both cuBLAS and cuDNN, restored after the test (the flags are plain
+    process state, settable without a GPU; monkeypatch cannot undo their descriptors)."""
+    before = tf32_flags()
+    set_tf32(True, True)
+    yield
+    set_tf32(*before)
+
+
+@pytest.mark.usefixtures("tf32_on")
+def test_f32_on_cuda_turns_tf32_off_and_other_runs_leave_it():
+    others = ((torch.bfloat16, "cuda"), (torch.float16, "cuda"), (torch.float32, "cpu"))
+    for dtype, device in others:
+        dtypes.ieee_float32(dtypes.DtypePolicy(dtype, torch.device(device)))
+        assert tf32_flags() == (True, True), (dtype, device)
+    dtypes.ieee_float32(dtypes.DtypePolicy(torch.float32, torch.device("cuda")))
+    assert tf32_flags() == (False, False)
+
+
+@pytest.mark.usefixtures("tf32_on")
+def test_load_model_applies_the_float32_precision(monkeypatch):
+    """load_model is where it is set: a CUDA f32 policy cannot load here, so the CPU load
+    is seen to hand its policy over (and, CPU, to leave the flags alone)."""
+    import whisper_cli.loading as loading
+
+    seen = []
+    monkeypatch.setattr(loading, "ieee_float32", seen.append)
+    policy = dtypes.resolve_policy("f32", "cpu")
+    load_model(str(real_model("tiny.en")), policy)
+    assert seen == [policy]
+    assert tf32_flags() == (True, True)

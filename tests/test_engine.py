@@ -19,7 +19,7 @@ from util import (
 
 from whisper_cli import decoding
 from whisper_cli.audio import load_audio
-from whisper_cli.decoding import DecodeOptions
+from whisper_cli.decoding import DecodeOptions, DecodeState
 from whisper_cli.dtypes import resolve_policy
 from whisper_cli.engine import Engine
 from whisper_cli.features import log_mel
@@ -209,3 +209,25 @@ def test_repetition_guard_stops_a_looping_row(random_dirs, looping, monkeypatch)
     else:
         assert not any(r.looped for r in rows)
         assert len(steps) == 119 and all(len(r.tokens) == 120 for r in rows)
+
+
+def test_compiled_step_inputs_have_fixed_addresses_on_cuda(random_dirs, monkeypatch):
+    """On CUDA every tensor the compiled step reads (state, caches and the rules' masks) is
+    marked static, so that CUDA-graph replays read it in place instead of copying it in at
+    every step. Seen here through the engine's CUDA branch, with the marking recorded."""
+    ours = load_model(str(random_dirs), F32)
+    engine = Engine(ours, DecodeOptions(max_new_tokens=4), compile=True)
+    engine.on_cuda = True
+    marked = []
+    monkeypatch.setattr(torch._dynamo, "mark_static_address", marked.append)
+    with torch.inference_mode():
+        features = engine.encode(random_mel(ours.config.num_mel_bins))
+        caches = engine._caches(features)
+        state = DecodeState.start(
+            engine.max_new, engine.prompt_length, [0.0] * 2, [0] * 2, 0, torch.float32, F32.device
+        )
+        engine._static_state(state, caches)
+    rules = engine.rules.tensors()
+    assert len(rules) == 3  # suppress, begin_suppress, ts_index
+    inputs = [*rules, *caches.tensors(), *(t for t in vars(state).values() if t is not None)]
+    assert {id(t) for t in inputs} <= {id(t) for t in marked}

@@ -8,6 +8,7 @@ Every cast in the library goes through a function of this module, so the places
 where a tensor changes dtype can be read in one screen:
 
 * `cast_weight`   - checkpoint tensors (f16/f32/bf16 on disk) to the run dtype, once at load.
+* `ieee_float32`  - f32 on CUDA computes in float32, not TensorFloat-32 (set at load).
 * `encoder_input` - the log-mel, computed in float32 (see F32_EXCEPTIONS), enters the
                     encoder in the run dtype.
 * `f32_log_softmax`, `f32_logsumexp`, `f32_logprobs` - the listed float32
@@ -174,6 +175,20 @@ def cast_weight(tensor: torch.Tensor, policy: DtypePolicy) -> torch.Tensor:
     if tensor.is_floating_point():
         return tensor.to(device=policy.device, dtype=policy.dtype)
     return tensor.to(device=policy.device)
+
+
+def ieee_float32(policy: DtypePolicy) -> None:
+    """An f32 run on CUDA: float32 matmuls and convolutions, TensorFloat-32 off.
+
+    cuDNN allows TF32 for float32 convolutions by default, and TF32 keeps 10 mantissa bits:
+    the encoder's convolutions would round to ~1e-3 relative, which is not what "f32"
+    promises. The flags are process-wide (cuBLAS and cuDNN read them at each call); runs
+    in other dtypes have no float32 matmul of weights, and leave them as they are. The
+    legacy flags, not `fp32_precision`: torch refuses reads of a mix of the two APIs.
+    """
+    if policy.device.type == "cuda" and policy.dtype == torch.float32:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
 
 
 def encoder_input(mel: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -287,8 +287,10 @@ class Engine:
         """The compiled step's state buffers, holding `state`'s values."""
         static = self._static
         if static is None or (static[0].speech_after is None) != (state.speech_after is None):
-            if self.on_cuda:  # fixed addresses: CUDA graphs read them in place
-                for t in [*vars(state).values(), *caches.tensors()]:
+            # Fixed addresses: CUDA graphs read them in place (a tensor input not marked is
+            # copied into the graph's own buffer at every replay), the rules' masks too.
+            if self.on_cuda:
+                for t in [*vars(state).values(), *caches.tensors(), *self.rules.tensors()]:
                     if t is not None:
                         torch._dynamo.mark_static_address(t)
             self._static = (state, caches)

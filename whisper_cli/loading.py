@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from whisper_cli.config import MULTILINGUAL_VOCAB_SIZE, GenerationConfig, ModelConfig
-from whisper_cli.dtypes import DtypePolicy, cast_weight
+from whisper_cli.dtypes import DtypePolicy, cast_weight, ieee_float32
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.model import Whisper
 from whisper_cli.tokenizer import Tokenizer
@@ -209,4 +209,5 @@ def load_model(name: str, policy: DtypePolicy) -> LoadedModel:
         model = Whisper(config)  # no memory, no random init: weights are assigned below
     load_weights(model, read_checkpoint(model_dir), policy)
     model.eval().requires_grad_(False)
+    ieee_float32(policy)
     return LoadedModel(model, tokenizer, config, generation, policy, model_dir, name)

@@ -28,6 +28,10 @@ class Rules:
     timestamp_begin: int
     timestamps: bool
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The device tensors, which a compiled step reads beside the state and caches."""
+        return [v for v in vars(self).values() if isinstance(v, torch.Tensor)]
+
     @classmethod
     def build(cls, loaded: LoadedModel, timestamps: bool, max_initial_timestamp: float) -> Rules:
         special = loaded.tokenizer.special

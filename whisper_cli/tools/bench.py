@@ -404,8 +404,14 @@ def serve_audio(source: ArraySource) -> Iterator[None]:
         pipeline.open_audio = original
 
 
-def measure(spec: dict[str, Any]) -> ConfigResult:
-    """Load, warm up and time one configuration in this process (the child's work)."""
+def measure(
+    spec: dict[str, Any], on_warmup: Callable[[dict[str, Any]], None] | None = None
+) -> ConfigResult:
+    """Load, warm up and time one configuration in this process (the child's work).
+
+    on_warmup: called after the warm-up run with what is known by then (load and warm-up
+    wall, the engine's counters: compilation happens in the warm-up), for a caller that
+    keeps it in case the timed runs do not finish."""
     import torch
 
     from whisper_cli.dtypes import resolve_policy
@@ -456,6 +462,17 @@ def measure(spec: dict[str, Any]) -> ConfigResult:
         # Only the timed runs count: differences of the counters over them.
         before = dataclasses.replace(transcriber.counters)
         engine_before = dataclasses.replace(engine.counters)
+        if on_warmup:
+            on_warmup(
+                {
+                    "load_s": load_s,
+                    "compile": compiled,
+                    "warmup_wall_s": warmup_wall,
+                    "audio_s": spec["n_samples"] / SAMPLE_RATE,
+                    "engine_warmup": dataclasses.asdict(engine_before),
+                    "counters_warmup": dataclasses.asdict(before),
+                }
+            )
         runs = [timed_run() for _ in range(spec["repeats"])]
     n = len(runs)
     ran = _per_run(engine.counters, engine_before, n)
