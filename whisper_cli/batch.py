@@ -1,13 +1,14 @@
 """Transcribe a manifest of inputs into an output directory: resumable, shardable, on Ray.
 
 A manifest (a directory, a text file of paths, or JSONL with `path` and optional
-`language`/`task`) becomes a list of items; `--shard I/N` keeps a stable part of it;
-items whose outputs all exist are skipped. The rest go to a `Worker`, which holds one
-loaded model and runs the existing pipeline, writing each input's outputs itself as soon
-as it is decoded. The local engine runs one Worker in this process; the Ray engine runs
-one per actor over a Ray Data dataset of paths (audio is read inside the actor, never
-shipped through the object store). Either way every input ends as one line of
-`summary.jsonl`: written ("ok") or "failed" with the reason.
+`language`/`task`/`output`) becomes a list of items, each with the name of its outputs
+below the output directory: the outputs mirror the manifest's tree. `--shard I/N` keeps
+a stable part of it; items whose outputs all exist are skipped. The rest go to a
+`Worker`, which holds one loaded model and runs the existing pipeline, writing each
+input's outputs itself as soon as it is decoded. The local engine runs one Worker in
+this process; the Ray engine runs one per actor over a Ray Data dataset of paths (audio
+is read inside the actor, never shipped through the object store). Either way every
+input ends as one line of `summary.jsonl`: written ("ok") or "failed" with the reason.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import posixpath
 import sys
 import tempfile
 import time
+import urllib.parse
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -58,6 +60,9 @@ class Item:
     key: str  # what --shard hashes: the name inside the manifest (same on every machine)
     language: str | None = None  # overrides --language for this input
     task: str | None = None  # overrides --task for this input
+    # Its outputs' name below --output-dir, without the format's extension ("a/x" for
+    # a/x.wav); None: the input's stem.
+    output: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,10 +131,16 @@ def read_manifest(manifest: str) -> list[Item]:
     """The inputs a manifest names, in its order, each once.
 
     A directory (searched recursively for audio files, sorted), a JSONL file (`.jsonl`,
-    or a first line that is a JSON object) with `path` and optional `language` and
-    `task`, or a text file of paths (blank lines and `#` comments ignored). Relative paths
-    are relative to the manifest's folder. fsspec URLs (s3://, gs://, ...) work for the
-    manifest and for its entries where fsspec and that filesystem's package are installed.
+    or a first line that is a JSON object) with `path` and optional `language`, `task`
+    and `output`, or a text file of paths (blank lines and `#` comments ignored). Relative
+    paths are relative to the manifest's folder. fsspec URLs (s3://, gs://, ...) work for
+    the manifest and for its entries where fsspec and that filesystem's package are
+    installed.
+
+    Each input's outputs keep its path relative to the directory, or to the folder that
+    holds all the file's entries (a URL's path counts from below its bucket), so that
+    a/x.wav and b/x.wav of one corpus go to a/x.* and b/x.*; a JSONL `output` names them
+    itself.
     """
     items = _directory_items(manifest) if _is_dir(manifest) else _file_items(manifest)
     seen: set[str] = set()
@@ -149,12 +160,35 @@ def _directory_items(root: str) -> list[Item]:
         fs, base = _filesystem(root)
         found = [p for p in fs.find(base) if _is_audio(p)]
         base = base.rstrip("/")
-        return [Item(fs.unstrip_protocol(p), posixpath.relpath(p, base)) for p in sorted(found)]
-    root_path = Path(root)
-    found = sorted(p for p in root_path.rglob("*") if p.is_file() and _is_audio(p.name))
-    if not found:
-        raise WhisperCliError(f"{root}: directory contains no audio files")
-    return [Item(str(p), p.relative_to(root_path).as_posix()) for p in found]
+        keys = [(fs.unstrip_protocol(p), posixpath.relpath(p, base)) for p in sorted(found)]
+    else:
+        root_path = Path(root)
+        found = sorted(p for p in root_path.rglob("*") if p.is_file() and _is_audio(p.name))
+        if not found:
+            raise WhisperCliError(f"{root}: directory contains no audio files")
+        keys = [(str(p), p.relative_to(root_path).as_posix()) for p in found]
+    return [Item(path, key, output=posixpath.splitext(key)[0]) for path, key in keys]
+
+
+def _mirrored(items: list[Item]) -> list[Item]:
+    """Items named by their path below the folder all of them lie in (but those that name
+    their outputs themselves)."""
+    unnamed = [_tree_path(it.path) for it in items if it.output is None]
+    if not unnamed:
+        return items
+    root = posixpath.commonpath([posixpath.dirname(p) for p in unnamed])
+    names = iter(posixpath.splitext(posixpath.relpath(p, root))[0] for p in unnamed)
+    return [
+        it if it.output is not None else dataclasses.replace(it, output=next(names)) for it in items
+    ]
+
+
+def _tree_path(path: str) -> str:
+    """Where an entry lies in the tree its outputs mirror: a URL's path below its bucket,
+    a local file's absolute path."""
+    if _is_url(path):
+        return "/" + urllib.parse.urlsplit(path).path.lstrip("/")
+    return Path(os.path.abspath(path)).as_posix()
 
 
 def _file_items(manifest: str) -> list[Item]:
@@ -176,7 +210,7 @@ def _file_items(manifest: str) -> list[Item]:
     ]
     if not items:
         raise WhisperCliError(f"manifest {manifest} names no inputs")
-    return items
+    return _mirrored(items)
 
 
 def _jsonl_item(manifest: str, number: int, line: str) -> Item:
@@ -187,13 +221,28 @@ def _jsonl_item(manifest: str, number: int, line: str) -> Item:
         raise WhisperCliError(f"{where}: not JSON ({exc.msg})") from None
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"]:
         raise WhisperCliError(f'{where}: expected an object with a "path" string')
-    for name in ("language", "task"):
+    for name in ("language", "task", "output"):
         if entry.get(name) is not None and not isinstance(entry[name], str):
             raise WhisperCliError(f'{where}: "{name}" must be a string')
     task = entry.get("task")
     if task is not None and task not in TASKS:
         raise WhisperCliError(f"{where}: invalid task {task!r}; choose transcribe or translate")
-    return Item(_join(manifest, entry["path"]), entry["path"], entry.get("language"), task)
+    output = entry.get("output")
+    if output is not None:
+        output = _output_name(where, output)
+    path = entry["path"]
+    return Item(_join(manifest, path), path, entry.get("language"), task, output)
+
+
+def _output_name(where: str, name: str) -> str:
+    """A JSONL entry's `output`, normalized: a relative name that stays inside -o."""
+    normal = posixpath.normpath(name.replace("\\", "/"))
+    if posixpath.isabs(normal) or os.path.isabs(name) or normal.split("/")[0] in ("..", "."):
+        raise WhisperCliError(
+            f'{where}: "output" {name!r} would be written outside --output-dir; '
+            "give a relative name such as calls/2024/x"
+        )
+    return normal
 
 
 def _join(manifest: str, entry: str) -> str:
@@ -253,16 +302,18 @@ def run_batch(
     log = on_log or (lambda message: None)
     if config.engine == "ray":
         _import_ray()  # before any work: it may not be installed
+    # The workers' plan names no outputs: each item carries its own name to its worker.
     plan = OutputPlan.make(config.fmt, config.output_dir, [], n_inputs=2)  # always "several"
     items = read_manifest(config.manifest)
-    plan.check_distinct([it.path for it in items])  # over the whole manifest: every shard
+    named = _named(plan, items)
+    named.check_distinct([it.path for it in items])  # over the whole manifest: every shard
     items = shard_items(items, config.shard)
     summary = summary_path(config.output_dir, config.shard)
     previous = _read_summary(summary)
     records: dict[str, Record] = {}
     todo: list[Item] = []
     for item in items:
-        if plan.is_done(item.path):
+        if named.is_done(item.path):
             kept = previous.get(item.path)
             records[item.path] = (
                 kept if kept and kept.status == "ok" else Record(item.path, "skipped")
@@ -345,6 +396,11 @@ def _options_key(item: Item) -> tuple[str, str]:
     return item.language or "", item.task or ""
 
 
+def _named(plan: OutputPlan, items: Iterable[Item]) -> OutputPlan:
+    """The plan with these items' outputs named as the manifest names them."""
+    return plan.with_names({it.path: it.output for it in items if it.output is not None})
+
+
 # --- the worker: one model, many inputs --------------------------------------------------
 
 
@@ -377,9 +433,11 @@ class Worker:
     def __call__(self, batch: dict) -> dict[str, list[str]]:
         """A Ray Data batch of items in, their records (as JSON lines) out."""
         items = [
-            Item(str(path), str(path), str(language) or None, str(task) or None)
-            for path, language, task in zip(
-                batch["path"], batch["language"], batch["task"], strict=True
+            Item(
+                str(path), str(path), str(language) or None, str(task) or None, str(output) or None
+            )
+            for path, language, task, output in zip(
+                batch["path"], batch["language"], batch["task"], batch["output"], strict=True
             )
         ]
         records: list[Record] = []
@@ -408,10 +466,11 @@ class Worker:
     def _process_group(
         self, key: tuple[str | None, str | None], items: list[Item], on_record: Callable
     ) -> None:
+        plan = _named(self.spec.plan, items)
         # Temp files of these outputs are left by a worker killed while writing them; this
         # call may be the retry of its batch.
         for item in items:
-            for stale in (t for p in self.spec.plan.paths(item.path) for t in temp_files(p)):
+            for stale in (t for p in plan.paths(item.path) for t in temp_files(p)):
                 stale.unlink(missing_ok=True)
         finished: set[str] = set()
 
@@ -426,7 +485,7 @@ class Worker:
 
             def on_result(t: Transcript) -> None:
                 t = dataclasses.replace(t, path=local.original[t.path])
-                self.spec.plan.emit(t, sys.stdout)
+                plan.emit(t, sys.stdout)
                 finish(Record(t.path, "ok", None, t.duration, t.language, t.timings.get("wall")))
 
             def on_error(err: InputError) -> None:
@@ -537,7 +596,13 @@ def _run_ray(config, plan, make_options, todo, record, log) -> None:
         per_call = _files_per_call(spec.options.batch_size, len(todo), sizing.workers)
         blocks = math.ceil(len(todo) / per_call)
         rows = [
-            {"path": it.path, "language": it.language or "", "task": it.task or ""} for it in todo
+            {
+                "path": it.path,
+                "language": it.language or "",
+                "task": it.task or "",
+                "output": it.output or "",
+            }
+            for it in todo
         ]
         dataset = ray.data.from_items(rows, override_num_blocks=blocks)
         with warnings.catch_warnings():
