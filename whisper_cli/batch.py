@@ -6,8 +6,8 @@ below the output directory: the outputs mirror the manifest's tree. `--shard I/N
 a stable part of it; items whose outputs all exist are skipped. The rest go to a
 `Worker`, which holds one loaded model and runs the existing pipeline, writing each
 input's outputs itself as soon as it is decoded. The local engine runs one Worker in
-this process; the Ray engine runs one per actor over a Ray Data dataset of paths (audio
-is read inside the actor, never shipped through the object store). Either way every
+this process; the Ray engine runs one per actor and hands the actors batches of items
+(audio is read inside the actor, never shipped through the object store). Either way every
 input ends as one line of `summary.jsonl`: written ("ok") or "failed" with the reason.
 """
 
@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import logging
 import math
 import os
 import posixpath
@@ -25,7 +24,6 @@ import sys
 import tempfile
 import time
 import urllib.parse
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +48,8 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 # listed as failed input by input instead of failing the run.
 ACTOR_RESTARTS = 3
 BATCH_RETRIES = 3
+# Batches handed to a Ray actor ahead of the one it runs: it starts the next one at once.
+IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -407,7 +407,7 @@ def _named(plan: OutputPlan, items: Iterable[Item]) -> OutputPlan:
 class Worker:
     """Holds one loaded model; transcribes items and writes their outputs.
 
-    Built once per Ray actor (or once in this process for the local engine). Items
+    Built once per Ray actor (WhisperWorker) or once in this process (the local engine). Items
     that override the language or task get a Transcriber of their own, built on first use
     and kept: TranscribeOptions are fixed per Transcriber, the model is shared by all.
     """
@@ -429,20 +429,6 @@ class Worker:
             groups.setdefault((item.language, item.task), []).append(item)
         for key, group in groups.items():
             self._process_group(key, group, on_record)
-
-    def __call__(self, batch: dict) -> dict[str, list[str]]:
-        """A Ray Data batch of items in, their records (as JSON lines) out."""
-        items = [
-            Item(
-                str(path), str(path), str(language) or None, str(task) or None, str(output) or None
-            )
-            for path, language, task, output in zip(
-                batch["path"], batch["language"], batch["task"], batch["output"], strict=True
-            )
-        ]
-        records: list[Record] = []
-        self.process(items, records.append)
-        return {"record": [r.to_json() for r in records]}
 
     def _transcriber(self, key: tuple[str | None, str | None]) -> Transcriber:
         from whisper_cli.pipeline import Transcriber
@@ -562,10 +548,9 @@ def _import_ray():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
         import ray
-        import ray.data
     except ImportError:
         raise WhisperCliError(
-            "--engine ray needs Ray: pip install 'whisper-cli[ray]' (or 'ray[data]')"
+            "--engine ray needs Ray: pip install 'whisper-cli[ray]' (or 'ray')"
         ) from None
     return ray
 
@@ -586,44 +571,54 @@ def _run_ray(config, plan, make_options, todo, record, log) -> None:
         device_type = "cuda" if device.startswith("cuda") else "cpu"
         model = config.model or default_model(device_type)
         spec = WorkerSpec(model, config.dtype, device, make_options(device_type), plan)
-
-        context = ray.data.DataContext.get_current()
-        context.enable_progress_bars = False  # progress is ours, on stderr
-        context.print_on_execution_start = False
-        # A batch whose actor died past its retries is dropped and listed as failed by
-        # run_batch, instead of ending the whole run.
-        context.max_errored_blocks = -1
         per_call = _files_per_call(spec.options.batch_size, len(todo), sizing.workers)
-        blocks = math.ceil(len(todo) / per_call)
-        rows = [
-            {
-                "path": it.path,
-                "language": it.language or "",
-                "task": it.task or "",
-                "output": it.output or "",
-            }
-            for it in todo
-        ]
-        dataset = ray.data.from_items(rows, override_num_blocks=blocks)
-        with warnings.catch_warnings():
-            # Ray 2.60 calls these actor options deprecated but offers no other way to bound
-            # them (its default: restart and retry forever).
-            warnings.simplefilter("ignore", DeprecationWarning)
-            dataset = dataset.map_batches(
-                _actor_class(spec),
-                batch_size=per_call,
-                batch_format="numpy",
-                compute=ray.data.ActorPoolStrategy(size=min(sizing.workers, blocks)),
-                num_cpus=sizing.cpus,
-                num_gpus=sizing.gpus,
-                max_restarts=ACTOR_RESTARTS,
-                max_task_retries=BATCH_RETRIES,
-            )
-        for row in dataset.iter_rows():
-            data = json.loads(row["record"])
-            if "run_error" in data:
-                raise WhisperCliError(data["run_error"])
-            record(Record(**data))
+        batches = [todo[start : start + per_call] for start in range(0, len(todo), per_call)]
+        # A restarted actor runs its constructor again with the arguments it was created
+        # with. Ray keeps those safe only when they travel inside the creation task itself
+        # (ray-project/ray#53727): the spec is a few small values (names, options, the
+        # plan without any input's name), never an object in the object store.
+        actor = ray.remote(
+            num_cpus=sizing.cpus,
+            num_gpus=sizing.gpus,
+            max_restarts=ACTOR_RESTARTS,
+            max_task_retries=BATCH_RETRIES,
+        )(WhisperWorker)
+        actors = [actor.remote(spec) for _ in range(min(sizing.workers, len(batches)))]
+        try:
+            _dispatch(ray, actors, batches, record)
+        finally:
+            for a in actors:  # also those still busy when the run is interrupted
+                ray.kill(a)
+
+
+def _dispatch(ray, actors: list, batches: list[list[Item]], record: Callable) -> None:
+    """Hand the batches out to the actors, IN_FLIGHT at a time each, as they finish theirs.
+
+    A batch whose actor died past its restarts and retries is dropped (run_batch lists its
+    inputs as failed), and that actor is given no more.
+    """
+    pending = list(reversed(batches))
+    running: dict = {}  # ObjectRef of a call -> the actor that runs it
+
+    def submit(a) -> None:
+        if pending:
+            running[a.process.remote(pending.pop())] = a
+
+    for _ in range(IN_FLIGHT):
+        for a in actors:
+            submit(a)
+    while running:
+        (done,), _ = ray.wait(list(running), num_returns=1)
+        a = running.pop(done)
+        try:
+            records = ray.get(done)
+        except ray.exceptions.ActorDiedError:
+            continue
+        if isinstance(records, str):
+            raise WhisperCliError(records)
+        for r in records:
+            record(r)
+        submit(a)
 
 
 @dataclass(frozen=True)
@@ -673,9 +668,8 @@ def _ray_session(ray, address: str | None, log: Callable[[str], None]) -> Iterat
     if ray.is_initialized():
         yield
         return
-    # Ray's own notices (token auth on, progress bars off, dataset finished) stay in its
-    # log files; the run's progress and errors are reported by whisper-cli.
-    logging.getLogger("ray.data").setLevel(logging.ERROR)
+    # Ray's own notices stay in its log files; the run's progress and errors are
+    # reported by whisper-cli.
     kwargs = {"log_to_driver": False, "logging_level": "error"}
     if address is None:
         kwargs["include_dashboard"] = False  # a cluster of our own: no dashboard
@@ -690,28 +684,28 @@ def _ray_session(ray, address: str | None, log: Callable[[str], None]) -> Iterat
         ray.shutdown()
 
 
-def _actor_class(spec: WorkerSpec) -> type:
-    """A Worker class bound to ``spec``, as Ray Data builds it: with no arguments.
+class WhisperWorker:
+    """A Worker as a Ray actor.
 
-    A worker that cannot start (model not found, dtype or device unsupported) answers its
-    first batch with the error, which the driver raises as a run-level error: Ray only
-    passes on the text of an exception raised while an actor starts.
+    One that cannot start (model not found, dtype or device unsupported) answers every
+    batch with the error, which the driver raises as a run-level error: Ray only passes
+    on the text of an exception raised while an actor starts.
     """
 
-    class WhisperWorker(Worker):
-        def __init__(self) -> None:
-            self.error: str | None = None
-            try:
-                super().__init__(spec)
-            except WhisperCliError as exc:
-                self.error = exc.message
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.error: str | None = None
+        try:
+            self.worker = Worker(spec)
+        except WhisperCliError as exc:
+            self.error = exc.message
 
-        def __call__(self, batch: dict) -> dict[str, list[str]]:
-            if self.error is not None:
-                return {"record": [json.dumps({"run_error": self.error})]}
-            return super().__call__(batch)
-
-    return WhisperWorker
+    def process(self, items: list[Item]) -> list[Record] | str:
+        """The items' records; or, from an actor that could not start, why."""
+        if self.error is not None:
+            return self.error
+        records: list[Record] = []
+        self.worker.process(items, records.append)
+        return records
 
 
 # --- paths and URLs -------------------------------------------------------------------

@@ -829,7 +829,7 @@ def batch(
         ),
     ],
     engine: Annotated[
-        Engine, typer.Option(help="local: in this process; ray: Ray Data actors.")
+        Engine, typer.Option(help="local: in this process; ray: a pool of Ray actors.")
     ] = Engine.local,
     ray_address: Annotated[
         str | None,
