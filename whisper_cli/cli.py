@@ -819,13 +819,16 @@ def batch(
         str,
         typer.Argument(
             help="A directory (searched recursively), a text file of paths, or JSONL with "
-            '"path" and optional "language"/"task"; a local path or an fsspec URL.'
+            '"path" and optional "language"/"task"/"output"; a local path or an fsspec URL.'
         ),
     ],
     output_dir: Annotated[
         Path,
         typer.Option(
-            "--output-dir", "-o", help="Write DIR/<stem>.<ext> files and DIR/summary.jsonl."
+            "--output-dir",
+            "-o",
+            help="Write each input's files below DIR, as the manifest's tree holds it "
+            "(a/x.wav: DIR/a/x.<ext>), and DIR/summary.jsonl.",
         ),
     ],
     engine: Annotated[
