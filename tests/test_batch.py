@@ -308,6 +308,8 @@ def test_batch_mirrors_the_manifests_tree(corpus: Path, tmp_path: Path) -> None:
         out = tmp_path / f"out{n}"
         result = cli("batch", manifest, "-o", str(out), "-m", tiny())
         assert result.exit_code == 0, result.stderr
+        # Progress at the run's scale: seconds here, not "0.00 h".
+        assert "whisper-cli: 2/2 inputs (0 failed), 8.5 s audio, RTFx " in result.stderr
         assert_mirrored(out)
         records = summary(out)
         assert [r["status"] for r in records.values()] == ["ok", "ok"], manifest
