@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -310,6 +311,9 @@ def test_batch_mirrors_the_manifests_tree(corpus: Path, tmp_path: Path) -> None:
         assert result.exit_code == 0, result.stderr
         # Progress at the run's scale: seconds here, not "0.00 h".
         assert "whisper-cli: 2/2 inputs (0 failed), 8.5 s audio, RTFx " in result.stderr
+        assert re.search(
+            r"2 written, 0 failed, 0 already done, 8\.5 s of audio in [\d.]+ s", result.stderr
+        )
         assert_mirrored(out)
         records = summary(out)
         assert [r["status"] for r in records.values()] == ["ok", "ok"], manifest

@@ -122,6 +122,8 @@ class BatchReport:
     processed: int
     failed: int
     summary: Path
+    audio_seconds: float = 0.0  # audio decoded in this run
+    elapsed: float = 0.0  # seconds from the first input handed out to the last one done
 
 
 # --- manifests ---------------------------------------------------------------------------
@@ -361,7 +363,10 @@ def run_batch(
                     )
                 )
     _write_summary(summary, [records[it.path] for it in items])
-    return BatchReport(len(items), len(items) - len(todo), len(todo), failed, summary)
+    elapsed = time.perf_counter() - started
+    return BatchReport(
+        len(items), len(items) - len(todo), len(todo), failed, summary, audio, elapsed
+    )
 
 
 def summary_path(output_dir: Path, shard: tuple[int, int] | None) -> Path:

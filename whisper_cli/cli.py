@@ -937,7 +937,8 @@ def _batch(**a) -> int:
     _check_interrupt()
     log(
         f"{report.processed - report.failed} written, {report.failed} failed, "
-        f"{report.skipped} already done; summary: {report.summary}"
+        f"{report.skipped} already done, {_duration(report.audio_seconds)} of audio "
+        f"in {_duration(report.elapsed)}; summary: {report.summary}"
     )
     return EXIT_INPUT_FAILED if report.failed else EXIT_OK
 
