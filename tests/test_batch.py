@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+import soundfile as sf
 from typer.testing import CliRunner
 from util import IN_CI, real_model, shared_clip
 
@@ -34,9 +37,6 @@ from whisper_cli.errors import WhisperCliError
 from whisper_cli.formats import FORMATS
 from whisper_cli.pipeline import TranscribeOptions
 
-# Ray Data reads its own deprecated settings when it copies its context.
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")
-
 CLIPS = ("jfk.flac", "stereo_diarization.wav", "hotwords.mp3", "multilingual.mp3")
 
 
@@ -50,11 +50,14 @@ def tiny() -> str:
 
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shared clips and one corrupt file, as a text manifest of absolute paths."""
+    """Copies of the shared clips and one corrupt file, in one folder (so their outputs go
+    directly into -o), as a text manifest of absolute paths."""
     folder = tmp_path_factory.mktemp("manifest")
+    for name in CLIPS:
+        shutil.copy(shared_clip(name), folder / name)
     corrupt = folder / "corrupt.wav"
     corrupt.write_bytes(b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(range(256)) * 8)
-    paths = [str(shared_clip(name)) for name in CLIPS] + [str(corrupt)]
+    paths = [str(folder / name) for name in CLIPS] + [str(corrupt)]
     path = folder / "inputs.txt"
     path.write_text("".join(f"{p}\n" for p in paths))
     return path
@@ -131,23 +134,37 @@ def test_manifest_kinds(tmp_path: Path) -> None:
     found = read_manifest(str(tmp_path / "audio"))
     assert [it.key for it in found] == ["b.wav", "sub/a.flac"]  # recursive, audio only
     assert found[1].path == str(tmp_path / "audio" / "sub" / "a.flac")
+    assert [it.output for it in found] == ["b", "sub/a"]  # the tree below the directory
 
     text = tmp_path / "list.txt"
     text.write_text("# clips\nx.wav\n\n/abs/y.mp3\nx.wav\ns3://bucket/z.flac\n")
     with pytest.raises(WhisperCliError, match="s3fs"):
         read_manifest(str(text))  # the s3 filesystem package is not installed here
     text.write_text("# clips\nx.wav\n\n/abs/y.mp3\nx.wav\n")
-    assert [it.path for it in read_manifest(str(text))] == [str(tmp_path / "x.wav"), "/abs/y.mp3"]
+    found = read_manifest(str(text))
+    assert [it.path for it in found] == [str(tmp_path / "x.wav"), "/abs/y.mp3"]
+    # Below the folder that holds them all: here the filesystem's root.
+    assert [it.output for it in found] == [f"{tmp_path.relative_to('/')}/x", "abs/y"]
+    text.write_text("calls/a/x.wav\ncalls/b/x.wav\n")
+    assert [it.output for it in read_manifest(str(text))] == ["a/x", "b/x"]
+    text.write_text("memory://bucket/2024/a/x.wav\nmemory://bucket/2024/b/y.wav\n")
+    assert [it.output for it in read_manifest(str(text))] == ["a/x", "b/y"]
 
     jsonl = tmp_path / "list.jsonl"
     jsonl.write_text(
         '{"path": "a.wav", "language": "de", "task": "translate", "ref": "..."}\n'
         '{"path": "b.wav"}\n'
+        '{"path": "c/b.wav", "output": "calls/./2024/b"}\n'
     )
     assert read_manifest(str(jsonl)) == [
-        Item(str(tmp_path / "a.wav"), "a.wav", "de", "translate"),
-        Item(str(tmp_path / "b.wav"), "b.wav"),
+        Item(str(tmp_path / "a.wav"), "a.wav", "de", "translate", "a"),
+        Item(str(tmp_path / "b.wav"), "b.wav", output="b"),
+        Item(str(tmp_path / "c/b.wav"), "c/b.wav", output="calls/2024/b"),
     ]
+    for bad in ("../x", "calls/../../x", "/tmp/x", ".", ""):
+        jsonl.write_text(f'{{"path": "a.wav"}}\n{{"path": "b.wav", "output": "{bad}"}}\n')
+        with pytest.raises(WhisperCliError, match=r'line 2: "output" .* outside --output-dir'):
+            read_manifest(str(jsonl))
     jsonl.write_text('{"path": "a.wav"}\n{"path": "b.wav", "task": "summarise"}\n')
     with pytest.raises(WhisperCliError, match=r"line 2: invalid task 'summarise'"):
         read_manifest(str(jsonl))
@@ -224,7 +241,7 @@ def test_local_engine_resumes(manifest: Path, local_run, tmp_path: Path) -> None
     assert again.exit_code == 1
     assert "3 of 5 input(s) already done, 2 to transcribe" in again.stderr
     after = summary(out)
-    jfk = str(shared_clip("jfk.flac"))
+    jfk = next(p for p in manifest_paths(manifest) if p.endswith("/jfk.flac"))
     assert {p: r for p, r in after.items() if p != jfk} == {
         p: r for p, r in before.items() if p != jfk
     }
@@ -238,9 +255,9 @@ def test_local_engine_resumes(manifest: Path, local_run, tmp_path: Path) -> None
 @pytest.mark.usefixtures("cached_cli_models")
 def test_per_input_language_and_task(tmp_path: Path) -> None:
     """JSONL options: an input that asks tiny.en to translate fails alone, with the reason."""
-    jfk = str(shared_clip("jfk.flac"))
-    copy = tmp_path / "copy" / "jfk2.flac"
-    copy.parent.mkdir()
+    jfk = str(tmp_path / "jfk.flac")
+    shutil.copy(shared_clip("jfk.flac"), jfk)
+    copy = tmp_path / "jfk2.flac"
     shutil.copy(jfk, copy)
     manifest = tmp_path / "m.jsonl"
     manifest.write_text(
@@ -257,6 +274,78 @@ def test_per_input_language_and_task(tmp_path: Path) -> None:
     assert records[str(copy)]["status"] == "failed"
     assert "English-only model; it cannot translate" in records[str(copy)]["error"]
     assert (out / "jfk.txt").exists() and not (out / "jfk2.txt").exists()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A corpus tree whose two files share a name: a/x.wav ("And so my fellow Americans")
+    and b/x.wav ("ask not what your country can do for you"), cut from jfk.flac."""
+    root = tmp_path_factory.mktemp("corpus")
+    audio, rate = sf.read(shared_clip("jfk.flac"))
+    for folder, (start, end) in (("a", (0.0, 3.5)), ("b", (3.5, 8.5))):
+        (root / folder).mkdir()
+        sf.write(root / folder / "x.wav", audio[int(start * rate) : int(end * rate)], rate)
+    return root
+
+
+def assert_mirrored(out: Path, fmt: str = "txt") -> None:
+    """Each x.wav of the corpus transcribed into its own folder below out."""
+    assert "Americans" in (out / "a" / f"x.{fmt}").read_text()
+    assert "country" in (out / "b" / f"x.{fmt}").read_text()
+    assert not (out / f"x.{fmt}").exists()
+
+
+@pytest.mark.usefixtures("cached_cli_models")
+def test_batch_mirrors_the_manifests_tree(corpus: Path, tmp_path: Path) -> None:
+    """a/x.wav and b/x.wav go to out/a/x.* and out/b/x.*, whatever the kind of manifest;
+    a second run skips both."""
+    (tmp_path / "list.txt").write_text(f"{corpus}/a/x.wav\n{corpus}/b/x.wav\n")
+    (tmp_path / "list.jsonl").write_text(
+        json.dumps({"path": f"{corpus}/a/x.wav"}) + "\n" + json.dumps({"path": f"{corpus}/b/x.wav"})
+    )
+    for n, manifest in enumerate(
+        (str(corpus), *(str(tmp_path / m) for m in ("list.txt", "list.jsonl")))
+    ):
+        out = tmp_path / f"out{n}"
+        result = cli("batch", manifest, "-o", str(out), "-m", tiny())
+        assert result.exit_code == 0, result.stderr
+        # Progress at the run's scale: seconds here, not "0.00 h".
+        assert "whisper-cli: 2/2 inputs (0 failed), 8.5 s audio, RTFx " in result.stderr
+        assert re.search(
+            r"2 written, 0 failed, 0 already done, 8\.5 s of audio in [\d.]+ s", result.stderr
+        )
+        assert_mirrored(out)
+        records = summary(out)
+        assert [r["status"] for r in records.values()] == ["ok", "ok"], manifest
+    again = cli("batch", str(corpus), "-o", str(out), "-m", tiny())
+    assert again.exit_code == 0, again.stderr
+    assert "2 of 2 input(s) already done, 0 to transcribe" in again.stderr
+    assert [r["status"] for r in summary(out).values()] == ["ok", "ok"]
+
+
+def test_batch_refuses_an_output_outside_its_directory(corpus: Path, tmp_path: Path) -> None:
+    manifest = tmp_path / "list.jsonl"
+    manifest.write_text(
+        json.dumps({"path": f"{corpus}/a/x.wav"})
+        + "\n"
+        + json.dumps({"path": f"{corpus}/b/x.wav", "output": "../x"})
+        + "\n"
+    )
+    out = tmp_path / "out"
+    result = cli("batch", str(manifest), "-o", str(out), "-m", tiny())
+    assert result.exit_code == 2
+    assert f"{manifest}, line 2: \"output\" '../x' would be written outside" in result.stderr
+    assert not out.exists() and not (tmp_path / "x.txt").exists()
+
+
+def test_batch_still_refuses_two_inputs_of_one_name(tmp_path: Path) -> None:
+    """a/x.wav and a/x.mp3: one would overwrite the other, mirrored or not."""
+    manifest = tmp_path / "list.txt"
+    manifest.write_text("a/x.wav\na/x.mp3\n")
+    result = cli("batch", str(manifest), "-o", str(tmp_path / "out"), "-m", tiny())
+    assert result.exit_code == 2
+    assert "a/x.wav and " in result.stderr and "would both be written to" in result.stderr
+    assert str(tmp_path / "out" / "x.txt") in result.stderr
 
 
 @pytest.mark.usefixtures("cached_cli_models")
@@ -367,8 +456,46 @@ def test_ray_worker_that_cannot_start_is_a_run_level_error(ray_cluster, manifest
     assert summary(out) == {}  # nothing was done, nothing is claimed
 
 
+@pytest.mark.slow  # ~40 s: a Ray cluster of its own starts, and its actor loads the model
+def test_ray_engine_mirrors_the_tree_and_is_quiet(corpus: Path, tmp_path: Path) -> None:
+    """`batch --engine ray -q` as a user runs it, in a process (and local cluster) of its
+    own: nothing on stderr, from whisper-cli or from Ray's C++ core (which writes to the
+    process's stderr directly, and once per process)."""
+    if not IN_CI:
+        pytest.importorskip("ray", reason="pip install 'whisper-cli[ray]'")
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).parents[1]),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    args = [
+        "batch",
+        str(corpus),
+        "-o",
+        str(out),
+        "-m",
+        tiny(),
+        "--engine",
+        "ray",
+        "--workers",
+        "1",
+        "-q",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "whisper_cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert_mirrored(out)
+
+
 def our_ray_actors() -> list[int]:
-    """Pids of the map actors of the cluster this process started (raylet's children)."""
+    """Pids of the batch actors of the cluster this process started (raylet's children)."""
 
     def parent(pid: int) -> int:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -378,7 +505,7 @@ def our_ray_actors() -> list[int]:
         try:
             cmdline = (entry / "cmdline").read_bytes()
             pid = int(entry.name)
-            if cmdline.startswith(b"ray::MapWorker") and os.getpid() in (
+            if cmdline.startswith(b"ray::WhisperWorker") and os.getpid() in (
                 parent(pid),
                 parent(parent(pid)),
             ):

@@ -790,6 +790,36 @@ def test_same_file_twice_is_transcribed_once_and_runs_end_with_a_summary(tmp_pat
 
 
 @pytest.mark.usefixtures("cached_cli_models")
+def test_a_single_input_with_output_dir_says_what_it_wrote(tmp_path) -> None:
+    """One input to stdout ends silently; to -o, with one line of what it wrote (not
+    under -q)."""
+    out = tmp_path / "out"
+    result = transcribe(jfk(), "-m", tiny(), "-o", str(out))
+    last = result.stderr.splitlines()[-1]
+    assert re.fullmatch(r"whisper-cli: wrote 1 file, 11 s of audio in [\d.]+ (s|min)", last)
+    result = transcribe(jfk(), "-m", tiny(), "-o", str(out), "-f", "all", "-q")
+    assert result.stderr == ""
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"jfk.{f}" for f in FORMATS)
+    result = transcribe(jfk(), "-m", tiny(), "-o", str(out / "all"), "-f", "all")
+    assert re.search(rf"wrote {len(FORMATS)} files, 11 s of audio in ", result.stderr)
+
+
+def test_durations_are_shown_at_the_runs_scale() -> None:
+    from whisper_cli.cli import _duration
+
+    assert [_duration(s) for s in (0, 4.24, 41, 59.7, 150, 599, 720, 3900)] == [
+        "0.0 s",
+        "4.2 s",
+        "41 s",
+        "1.0 min",
+        "2.5 min",
+        "10 min",
+        "12 min",
+        "1 h 05 min",
+    ]
+
+
+@pytest.mark.usefixtures("cached_cli_models")
 def test_repetition_guard_cut_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     """Real speech rarely loops with tiny.en; the decoder's flag is set on its real rows."""
     import dataclasses

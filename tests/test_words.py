@@ -26,8 +26,9 @@ from whisper_cli.dtypes import resolve_policy
 from whisper_cli.engine import Engine
 from whisper_cli.features import SAMPLE_RATE, batch_log_mel
 from whisper_cli.loading import load_model
+from whisper_cli.results import Segment
 from whisper_cli.segments import attach_words, window_segments
-from whisper_cli.timing import Aligner, AlignRow
+from whisper_cli.timing import Aligner, AlignRow, WindowWords, WordTiming
 
 # The shared English clips, each one window (multilingual.mp3: its English first 30 s).
 ENGLISH = [
@@ -190,6 +191,10 @@ def test_bf16_word_times_are_within_40_ms_of_f32(transcriber, long_input, long_f
     assert (diffs <= 0.04 + 1e-9).mean() >= 0.95, np.percentile(diffs, [50, 95, 100])
 
 
+def timings(*spec: tuple[str, int, float, float]) -> tuple[WordTiming, ...]:
+    return tuple(WordTiming(w, tuple(range(n)), s, e, 0.9) for w, n, s, e in spec)
+
+
 # --- outputs through the CLI -------------------------------------------------------------------
 
 
@@ -234,6 +239,65 @@ def test_subtitles_with_three_words_per_line_hold_every_word_once(long_input, tm
         assert all(a[1] <= b[0] for a, b in itertools.pairwise(cues))
     rows = (tmp_path / "long.tsv").read_text().splitlines()[1:]
     assert [w for row in rows for w in row.split("\t")[2].split()] == words
+
+
+def test_a_word_cut_to_its_segment_time_stays_inside_the_segment():
+    """The case of a French clip's last word " ?": it starts 0.18 s before the decoded
+    segment end and runs far past it, so it is cut, but to the median duration (0.23 s),
+    past that end: the segment ends with it. A first word cut likewise before the decoded
+    start starts its segment."""
+    segments = [Segment(156.0, 158.324, " oui ?", (1, 2))]
+    window = WindowWords(timings((" oui", 1, 6.0, 6.3), (" ?", 1, 8.144, 9.2)), 0.23)
+    (last,) = attach_words(segments, window, offset=150.0, last_speech=156.0)
+    assert (last.words[-1].start, last.words[-1].end) == (158.144, 158.374)
+    assert (last.start, last.end) == (156.0, 158.374)
+
+    segments = [Segment(10.0, 11.0, " a b", (1, 2))]
+    window = WindowWords(timings((" a", 1, 9.2, 10.1), (" b", 1, 10.1, 10.8)), 0.23)
+    (first,) = attach_words(segments, window, offset=0.0, last_speech=9.9)
+    assert (first.words[0].start, first.words[0].end) == (9.87, 10.1)
+    assert (first.start, first.end) == (9.87, 10.8)
+
+
+@pytest.mark.slow  # base on 70 s of speech, with words
+@pytest.mark.usefixtures("cached_cli_models")
+def test_every_word_lies_inside_its_segment_in_every_format(tmp_path):
+    """Real speech in English (jfk.flac) and English then German (multilingual.mp3, the
+    language detected per window): in json every word lies inside its segment, and every
+    srt and vtt cue spans its segment's words exactly."""
+    clips = [str(shared_clip(name)) for name in ("jfk.flac", "multilingual.mp3")]
+    model = str(real_model("base"))
+    transcribe(
+        *clips,
+        "-m",
+        model,
+        "-q",
+        "--multilingual",
+        "--word-timestamps",
+        "-f",
+        "all",
+        "-o",
+        str(tmp_path),
+    )
+    languages = set()
+    for stem in ("jfk", "multilingual"):
+        data = json.loads((tmp_path / f"{stem}.json").read_text())
+        spans = []
+        for segment in data["segments"]:
+            languages.add(segment["language"])
+            words = segment["words"]
+            assert words, segment
+            for word in words:
+                assert segment["start"] <= word["start"] <= word["end"] <= segment["end"], (
+                    segment["text"],
+                    word,
+                )
+            assert (segment["start"], segment["end"]) == (words[0]["start"], words[-1]["end"])
+            spans.append((round(segment["start"] * 1000), round(segment["end"] * 1000)))
+        for fmt, parse in (("srt", parse_srt), ("vtt", parse_vtt)):
+            cues = parse((tmp_path / f"{stem}.{fmt}").read_text())
+            assert [(start, end) for start, end, _ in cues] == spans, fmt
+    assert {"en", "de"} <= languages
 
 
 @pytest.mark.usefixtures("cached_cli_models")

@@ -1,13 +1,14 @@
 """Transcribe a manifest of inputs into an output directory: resumable, shardable, on Ray.
 
 A manifest (a directory, a text file of paths, or JSONL with `path` and optional
-`language`/`task`) becomes a list of items; `--shard I/N` keeps a stable part of it;
-items whose outputs all exist are skipped. The rest go to a `Worker`, which holds one
-loaded model and runs the existing pipeline, writing each input's outputs itself as soon
-as it is decoded. The local engine runs one Worker in this process; the Ray engine runs
-one per actor over a Ray Data dataset of paths (audio is read inside the actor, never
-shipped through the object store). Either way every input ends as one line of
-`summary.jsonl`: written ("ok") or "failed" with the reason.
+`language`/`task`/`output`) becomes a list of items, each with the name of its outputs
+below the output directory: the outputs mirror the manifest's tree. `--shard I/N` keeps
+a stable part of it; items whose outputs all exist are skipped. The rest go to a
+`Worker`, which holds one loaded model and runs the existing pipeline, writing each
+input's outputs itself as soon as it is decoded. The local engine runs one Worker in
+this process; the Ray engine runs one per actor and hands the actors batches of items
+(audio is read inside the actor, never shipped through the object store). Either way every
+input ends as one line of `summary.jsonl`: written ("ok") or "failed" with the reason.
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import logging
 import math
 import os
 import posixpath
 import sys
 import tempfile
 import time
-import warnings
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +48,8 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 # listed as failed input by input instead of failing the run.
 ACTOR_RESTARTS = 3
 BATCH_RETRIES = 3
+# Batches handed to a Ray actor ahead of the one it runs: it starts the next one at once.
+IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,9 @@ class Item:
     key: str  # what --shard hashes: the name inside the manifest (same on every machine)
     language: str | None = None  # overrides --language for this input
     task: str | None = None  # overrides --task for this input
+    # Its outputs' name below --output-dir, without the format's extension ("a/x" for
+    # a/x.wav); None: the input's stem.
+    output: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,8 @@ class BatchReport:
     processed: int
     failed: int
     summary: Path
+    audio_seconds: float = 0.0  # audio decoded in this run
+    elapsed: float = 0.0  # seconds from the first input handed out to the last one done
 
 
 # --- manifests ---------------------------------------------------------------------------
@@ -126,10 +133,16 @@ def read_manifest(manifest: str) -> list[Item]:
     """The inputs a manifest names, in its order, each once.
 
     A directory (searched recursively for audio files, sorted), a JSONL file (`.jsonl`,
-    or a first line that is a JSON object) with `path` and optional `language` and
-    `task`, or a text file of paths (blank lines and `#` comments ignored). Relative paths
-    are relative to the manifest's folder. fsspec URLs (s3://, gs://, ...) work for the
-    manifest and for its entries where fsspec and that filesystem's package are installed.
+    or a first line that is a JSON object) with `path` and optional `language`, `task`
+    and `output`, or a text file of paths (blank lines and `#` comments ignored). Relative
+    paths are relative to the manifest's folder. fsspec URLs (s3://, gs://, ...) work for
+    the manifest and for its entries where fsspec and that filesystem's package are
+    installed.
+
+    Each input's outputs keep its path relative to the directory, or to the folder that
+    holds all the file's entries (a URL's path counts from below its bucket), so that
+    a/x.wav and b/x.wav of one corpus go to a/x.* and b/x.*; a JSONL `output` names them
+    itself.
     """
     items = _directory_items(manifest) if _is_dir(manifest) else _file_items(manifest)
     seen: set[str] = set()
@@ -149,12 +162,35 @@ def _directory_items(root: str) -> list[Item]:
         fs, base = _filesystem(root)
         found = [p for p in fs.find(base) if _is_audio(p)]
         base = base.rstrip("/")
-        return [Item(fs.unstrip_protocol(p), posixpath.relpath(p, base)) for p in sorted(found)]
-    root_path = Path(root)
-    found = sorted(p for p in root_path.rglob("*") if p.is_file() and _is_audio(p.name))
-    if not found:
-        raise WhisperCliError(f"{root}: directory contains no audio files")
-    return [Item(str(p), p.relative_to(root_path).as_posix()) for p in found]
+        keys = [(fs.unstrip_protocol(p), posixpath.relpath(p, base)) for p in sorted(found)]
+    else:
+        root_path = Path(root)
+        found = sorted(p for p in root_path.rglob("*") if p.is_file() and _is_audio(p.name))
+        if not found:
+            raise WhisperCliError(f"{root}: directory contains no audio files")
+        keys = [(str(p), p.relative_to(root_path).as_posix()) for p in found]
+    return [Item(path, key, output=posixpath.splitext(key)[0]) for path, key in keys]
+
+
+def _mirrored(items: list[Item]) -> list[Item]:
+    """Items named by their path below the folder all of them lie in (but those that name
+    their outputs themselves)."""
+    unnamed = [_tree_path(it.path) for it in items if it.output is None]
+    if not unnamed:
+        return items
+    root = posixpath.commonpath([posixpath.dirname(p) for p in unnamed])
+    names = iter(posixpath.splitext(posixpath.relpath(p, root))[0] for p in unnamed)
+    return [
+        it if it.output is not None else dataclasses.replace(it, output=next(names)) for it in items
+    ]
+
+
+def _tree_path(path: str) -> str:
+    """Where an entry lies in the tree its outputs mirror: a URL's path below its bucket,
+    a local file's absolute path."""
+    if _is_url(path):
+        return "/" + urllib.parse.urlsplit(path).path.lstrip("/")
+    return Path(os.path.abspath(path)).as_posix()
 
 
 def _file_items(manifest: str) -> list[Item]:
@@ -176,7 +212,7 @@ def _file_items(manifest: str) -> list[Item]:
     ]
     if not items:
         raise WhisperCliError(f"manifest {manifest} names no inputs")
-    return items
+    return _mirrored(items)
 
 
 def _jsonl_item(manifest: str, number: int, line: str) -> Item:
@@ -187,13 +223,28 @@ def _jsonl_item(manifest: str, number: int, line: str) -> Item:
         raise WhisperCliError(f"{where}: not JSON ({exc.msg})") from None
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"]:
         raise WhisperCliError(f'{where}: expected an object with a "path" string')
-    for name in ("language", "task"):
+    for name in ("language", "task", "output"):
         if entry.get(name) is not None and not isinstance(entry[name], str):
             raise WhisperCliError(f'{where}: "{name}" must be a string')
     task = entry.get("task")
     if task is not None and task not in TASKS:
         raise WhisperCliError(f"{where}: invalid task {task!r}; choose transcribe or translate")
-    return Item(_join(manifest, entry["path"]), entry["path"], entry.get("language"), task)
+    output = entry.get("output")
+    if output is not None:
+        output = _output_name(where, output)
+    path = entry["path"]
+    return Item(_join(manifest, path), path, entry.get("language"), task, output)
+
+
+def _output_name(where: str, name: str) -> str:
+    """A JSONL entry's `output`, normalized: a relative name that stays inside -o."""
+    normal = posixpath.normpath(name.replace("\\", "/"))
+    if posixpath.isabs(normal) or os.path.isabs(name) or normal.split("/")[0] in ("..", "."):
+        raise WhisperCliError(
+            f'{where}: "output" {name!r} would be written outside --output-dir; '
+            "give a relative name such as calls/2024/x"
+        )
+    return normal
 
 
 def _join(manifest: str, entry: str) -> str:
@@ -253,16 +304,18 @@ def run_batch(
     log = on_log or (lambda message: None)
     if config.engine == "ray":
         _import_ray()  # before any work: it may not be installed
+    # The workers' plan names no outputs: each item carries its own name to its worker.
     plan = OutputPlan.make(config.fmt, config.output_dir, [], n_inputs=2)  # always "several"
     items = read_manifest(config.manifest)
-    plan.check_distinct([it.path for it in items])  # over the whole manifest: every shard
+    named = _named(plan, items)
+    named.check_distinct([it.path for it in items])  # over the whole manifest: every shard
     items = shard_items(items, config.shard)
     summary = summary_path(config.output_dir, config.shard)
     previous = _read_summary(summary)
     records: dict[str, Record] = {}
     todo: list[Item] = []
     for item in items:
-        if plan.is_done(item.path):
+        if named.is_done(item.path):
             kept = previous.get(item.path)
             records[item.path] = (
                 kept if kept and kept.status == "ok" else Record(item.path, "skipped")
@@ -310,7 +363,10 @@ def run_batch(
                     )
                 )
     _write_summary(summary, [records[it.path] for it in items])
-    return BatchReport(len(items), len(items) - len(todo), len(todo), failed, summary)
+    elapsed = time.perf_counter() - started
+    return BatchReport(
+        len(items), len(items) - len(todo), len(todo), failed, summary, audio, elapsed
+    )
 
 
 def summary_path(output_dir: Path, shard: tuple[int, int] | None) -> Path:
@@ -345,13 +401,18 @@ def _options_key(item: Item) -> tuple[str, str]:
     return item.language or "", item.task or ""
 
 
+def _named(plan: OutputPlan, items: Iterable[Item]) -> OutputPlan:
+    """The plan with these items' outputs named as the manifest names them."""
+    return plan.with_names({it.path: it.output for it in items if it.output is not None})
+
+
 # --- the worker: one model, many inputs --------------------------------------------------
 
 
 class Worker:
     """Holds one loaded model; transcribes items and writes their outputs.
 
-    Built once per Ray actor (or once in this process for the local engine). Items
+    Built once per Ray actor (WhisperWorker) or once in this process (the local engine). Items
     that override the language or task get a Transcriber of their own, built on first use
     and kept: TranscribeOptions are fixed per Transcriber, the model is shared by all.
     """
@@ -373,18 +434,6 @@ class Worker:
             groups.setdefault((item.language, item.task), []).append(item)
         for key, group in groups.items():
             self._process_group(key, group, on_record)
-
-    def __call__(self, batch: dict) -> dict[str, list[str]]:
-        """A Ray Data batch of items in, their records (as JSON lines) out."""
-        items = [
-            Item(str(path), str(path), str(language) or None, str(task) or None)
-            for path, language, task in zip(
-                batch["path"], batch["language"], batch["task"], strict=True
-            )
-        ]
-        records: list[Record] = []
-        self.process(items, records.append)
-        return {"record": [r.to_json() for r in records]}
 
     def _transcriber(self, key: tuple[str | None, str | None]) -> Transcriber:
         from whisper_cli.pipeline import Transcriber
@@ -408,10 +457,11 @@ class Worker:
     def _process_group(
         self, key: tuple[str | None, str | None], items: list[Item], on_record: Callable
     ) -> None:
+        plan = _named(self.spec.plan, items)
         # Temp files of these outputs are left by a worker killed while writing them; this
         # call may be the retry of its batch.
         for item in items:
-            for stale in (t for p in self.spec.plan.paths(item.path) for t in temp_files(p)):
+            for stale in (t for p in plan.paths(item.path) for t in temp_files(p)):
                 stale.unlink(missing_ok=True)
         finished: set[str] = set()
 
@@ -426,7 +476,7 @@ class Worker:
 
             def on_result(t: Transcript) -> None:
                 t = dataclasses.replace(t, path=local.original[t.path])
-                self.spec.plan.emit(t, sys.stdout)
+                plan.emit(t, sys.stdout)
                 finish(Record(t.path, "ok", None, t.duration, t.language, t.timings.get("wall")))
 
             def on_error(err: InputError) -> None:
@@ -503,10 +553,9 @@ def _import_ray():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
         import ray
-        import ray.data
     except ImportError:
         raise WhisperCliError(
-            "--engine ray needs Ray: pip install 'whisper-cli[ray]' (or 'ray[data]')"
+            "--engine ray needs Ray: pip install 'whisper-cli[ray]' (or 'ray')"
         ) from None
     return ray
 
@@ -527,38 +576,54 @@ def _run_ray(config, plan, make_options, todo, record, log) -> None:
         device_type = "cuda" if device.startswith("cuda") else "cpu"
         model = config.model or default_model(device_type)
         spec = WorkerSpec(model, config.dtype, device, make_options(device_type), plan)
-
-        context = ray.data.DataContext.get_current()
-        context.enable_progress_bars = False  # progress is ours, on stderr
-        context.print_on_execution_start = False
-        # A batch whose actor died past its retries is dropped and listed as failed by
-        # run_batch, instead of ending the whole run.
-        context.max_errored_blocks = -1
         per_call = _files_per_call(spec.options.batch_size, len(todo), sizing.workers)
-        blocks = math.ceil(len(todo) / per_call)
-        rows = [
-            {"path": it.path, "language": it.language or "", "task": it.task or ""} for it in todo
-        ]
-        dataset = ray.data.from_items(rows, override_num_blocks=blocks)
-        with warnings.catch_warnings():
-            # Ray 2.60 calls these actor options deprecated but offers no other way to bound
-            # them (its default: restart and retry forever).
-            warnings.simplefilter("ignore", DeprecationWarning)
-            dataset = dataset.map_batches(
-                _actor_class(spec),
-                batch_size=per_call,
-                batch_format="numpy",
-                compute=ray.data.ActorPoolStrategy(size=min(sizing.workers, blocks)),
-                num_cpus=sizing.cpus,
-                num_gpus=sizing.gpus,
-                max_restarts=ACTOR_RESTARTS,
-                max_task_retries=BATCH_RETRIES,
-            )
-        for row in dataset.iter_rows():
-            data = json.loads(row["record"])
-            if "run_error" in data:
-                raise WhisperCliError(data["run_error"])
-            record(Record(**data))
+        batches = [todo[start : start + per_call] for start in range(0, len(todo), per_call)]
+        # A restarted actor runs its constructor again with the arguments it was created
+        # with. Ray keeps those safe only when they travel inside the creation task itself
+        # (ray-project/ray#53727): the spec is a few small values (names, options, the
+        # plan without any input's name), never an object in the object store.
+        actor = ray.remote(
+            num_cpus=sizing.cpus,
+            num_gpus=sizing.gpus,
+            max_restarts=ACTOR_RESTARTS,
+            max_task_retries=BATCH_RETRIES,
+        )(WhisperWorker)
+        actors = [actor.remote(spec) for _ in range(min(sizing.workers, len(batches)))]
+        try:
+            _dispatch(ray, actors, batches, record)
+        finally:
+            for a in actors:  # also those still busy when the run is interrupted
+                ray.kill(a)
+
+
+def _dispatch(ray, actors: list, batches: list[list[Item]], record: Callable) -> None:
+    """Hand the batches out to the actors, IN_FLIGHT at a time each, as they finish theirs.
+
+    A batch whose actor died past its restarts and retries is dropped (run_batch lists its
+    inputs as failed), and that actor is given no more.
+    """
+    pending = list(reversed(batches))
+    running: dict = {}  # ObjectRef of a call -> the actor that runs it
+
+    def submit(a) -> None:
+        if pending:
+            running[a.process.remote(pending.pop())] = a
+
+    for _ in range(IN_FLIGHT):
+        for a in actors:
+            submit(a)
+    while running:
+        (done,), _ = ray.wait(list(running), num_returns=1)
+        a = running.pop(done)
+        try:
+            records = ray.get(done)
+        except ray.exceptions.ActorDiedError:
+            continue
+        if isinstance(records, str):
+            raise WhisperCliError(records)
+        for r in records:
+            record(r)
+        submit(a)
 
 
 @dataclass(frozen=True)
@@ -608,9 +673,8 @@ def _ray_session(ray, address: str | None, log: Callable[[str], None]) -> Iterat
     if ray.is_initialized():
         yield
         return
-    # Ray's own notices (token auth on, progress bars off, dataset finished) stay in its
-    # log files; the run's progress and errors are reported by whisper-cli.
-    logging.getLogger("ray.data").setLevel(logging.ERROR)
+    # Ray's own notices stay in its log files; the run's progress and errors are
+    # reported by whisper-cli.
     kwargs = {"log_to_driver": False, "logging_level": "error"}
     if address is None:
         kwargs["include_dashboard"] = False  # a cluster of our own: no dashboard
@@ -625,28 +689,28 @@ def _ray_session(ray, address: str | None, log: Callable[[str], None]) -> Iterat
         ray.shutdown()
 
 
-def _actor_class(spec: WorkerSpec) -> type:
-    """A Worker class bound to ``spec``, as Ray Data builds it: with no arguments.
+class WhisperWorker:
+    """A Worker as a Ray actor.
 
-    A worker that cannot start (model not found, dtype or device unsupported) answers its
-    first batch with the error, which the driver raises as a run-level error: Ray only
-    passes on the text of an exception raised while an actor starts.
+    One that cannot start (model not found, dtype or device unsupported) answers every
+    batch with the error, which the driver raises as a run-level error: Ray only passes
+    on the text of an exception raised while an actor starts.
     """
 
-    class WhisperWorker(Worker):
-        def __init__(self) -> None:
-            self.error: str | None = None
-            try:
-                super().__init__(spec)
-            except WhisperCliError as exc:
-                self.error = exc.message
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.error: str | None = None
+        try:
+            self.worker = Worker(spec)
+        except WhisperCliError as exc:
+            self.error = exc.message
 
-        def __call__(self, batch: dict) -> dict[str, list[str]]:
-            if self.error is not None:
-                return {"record": [json.dumps({"run_error": self.error})]}
-            return super().__call__(batch)
-
-    return WhisperWorker
+    def process(self, items: list[Item]) -> list[Record] | str:
+        """The items' records; or, from an actor that could not start, why."""
+        if self.error is not None:
+            return self.error
+        records: list[Record] = []
+        self.worker.process(items, records.append)
+        return records
 
 
 # --- paths and URLs -------------------------------------------------------------------

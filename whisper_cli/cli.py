@@ -617,7 +617,7 @@ def _run(a, term: _Terminal, plan, expanded, files, skipped, started: float) -> 
             sources.append(open_audio(f.path, options.channel, stdin=sys.stdin.buffer))
         except InputError as err:
             on_error(err)
-    written, audio_seconds = 0, 0.0
+    written, files_written, audio_seconds = 0, 0, 0.0
     n_inputs = len(expanded.files) + len(expanded.errors)
     if sources:
         loaded = _load(a["model"], policy, term)
@@ -626,7 +626,7 @@ def _run(a, term: _Terminal, plan, expanded, files, skipped, started: float) -> 
         transcriber = Transcriber(loaded, options)
 
         def on_result(t) -> None:
-            nonlocal written, audio_seconds
+            nonlocal written, files_written, audio_seconds
             _check_interrupt()
             if t.language and loaded.tokenizer.is_multilingual:
                 prob = f" (p={t.language_probability:.2f})" if t.language_probability else ""
@@ -641,7 +641,7 @@ def _run(a, term: _Terminal, plan, expanded, files, skipped, started: float) -> 
             if plan.output_dir is None:
                 _write_stdout(term, lambda: plan.emit(t, sys.stdout))
             else:
-                plan.emit(t, sys.stdout)
+                files_written += len(plan.emit(t, sys.stdout))
             written += 1
             audio_seconds += t.duration
             term.file_done()
@@ -654,10 +654,17 @@ def _run(a, term: _Terminal, plan, expanded, files, skipped, started: float) -> 
         with term.progress(len(sources), total if all(s.info.duration for s in sources) else None):
             transcriber.run(sources, on_result, on_input_error, term.update)
     _check_interrupt()
+    # A run with several inputs counts them; one that writes files says what it wrote
+    # (otherwise a single input with -o would end without a word).
     if n_inputs > 1:
         parts = [f"{written} written", f"{failures} failed"]
         if skipped:
             parts.append(f"{len(skipped)} skipped")
+    elif plan.output_dir is not None:
+        parts = [f"wrote {files_written} file{'' if files_written == 1 else 's'}"]
+    else:
+        parts = []
+    if parts:
         term.info(
             f"{', '.join(parts)}, {_duration(audio_seconds)} of audio "
             f"in {_duration(time.perf_counter() - started)}"
@@ -666,9 +673,12 @@ def _run(a, term: _Terminal, plan, expanded, files, skipped, started: float) -> 
 
 
 def _duration(seconds: float) -> str:
-    """12 s, 12 min, 1 h 05 min: the summary's scale."""
-    if seconds < 60:
+    """4.2 s, 12 s, 2.5 min, 12 min, 1 h 05 min: the summaries' and progress lines' scale."""
+    # Each unit while its rounded value stays below the next: no "60 s" or "10.0 min".
+    if round(seconds) < 60:
         return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+    if round(seconds / 60, 1) < 10:
+        return f"{seconds / 60:.1f} min"
     minutes = round(seconds / 60)
     if minutes < 60:
         return f"{minutes} min"
@@ -819,17 +829,20 @@ def batch(
         str,
         typer.Argument(
             help="A directory (searched recursively), a text file of paths, or JSONL with "
-            '"path" and optional "language"/"task"; a local path or an fsspec URL.'
+            '"path" and optional "language"/"task"/"output"; a local path or an fsspec URL.'
         ),
     ],
     output_dir: Annotated[
         Path,
         typer.Option(
-            "--output-dir", "-o", help="Write DIR/<stem>.<ext> files and DIR/summary.jsonl."
+            "--output-dir",
+            "-o",
+            help="Write each input's files below DIR, as the manifest's tree holds it "
+            "(a/x.wav: DIR/a/x.<ext>), and DIR/summary.jsonl.",
         ),
     ],
     engine: Annotated[
-        Engine, typer.Option(help="local: in this process; ray: Ray Data actors.")
+        Engine, typer.Option(help="local: in this process; ray: a pool of Ray actors.")
     ] = Engine.local,
     ray_address: Annotated[
         str | None,
@@ -924,13 +937,14 @@ def _batch(**a) -> int:
     _check_interrupt()
     log(
         f"{report.processed - report.failed} written, {report.failed} failed, "
-        f"{report.skipped} already done; summary: {report.summary}"
+        f"{report.skipped} already done, {_duration(report.audio_seconds)} of audio "
+        f"in {_duration(report.elapsed)}; summary: {report.summary}"
     )
     return EXIT_INPUT_FAILED if report.failed else EXIT_OK
 
 
 class _batch_progress:
-    """Inputs done / total, audio hours and RTFx on stderr: a bar on a terminal, else lines."""
+    """Inputs done / total, audio decoded and RTFx on stderr: a bar on a terminal, else lines."""
 
     def __init__(self, quiet: bool) -> None:
         self.quiet = quiet
@@ -948,12 +962,12 @@ class _batch_progress:
             TextColumn("[progress.description]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("inputs, {task.fields[hours]:.2f} h audio, RTFx {task.fields[rtfx]:.1f}"),
+            TextColumn("inputs, {task.fields[audio]} audio, RTFx {task.fields[rtfx]:.1f}"),
             console=Console(stderr=True),
             transient=True,
         )
         self.bar.start()
-        self.task = self.bar.add_task("transcribing", total=None, hours=0.0, rtfx=0.0)
+        self.task = self.bar.add_task("transcribing", total=None, audio=_duration(0), rtfx=0.0)
         return self.update
 
     @staticmethod
@@ -963,7 +977,7 @@ class _batch_progress:
     def line(self, p) -> None:
         _stderr(
             f"whisper-cli: {p.done}/{p.total} inputs ({p.failed} failed), "
-            f"{p.audio_seconds / 3600:.2f} h audio, RTFx {self._rtfx(p):.1f}"
+            f"{_duration(p.audio_seconds)} audio, RTFx {self._rtfx(p):.1f}"
         )
 
     def update(self, p) -> None:
@@ -971,7 +985,7 @@ class _batch_progress:
             self.task,
             completed=p.done,
             total=p.total,
-            hours=p.audio_seconds / 3600,
+            audio=_duration(p.audio_seconds),
             rtfx=self._rtfx(p),
         )
 

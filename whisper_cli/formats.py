@@ -71,10 +71,13 @@ def render(transcript: Transcript, fmt: str, subtitles: SubtitleOptions | None =
 
 def output_path(out_dir: Path, input_path: str, fmt: str) -> Path:
     """Where the ``fmt`` output for ``input_path`` goes: ``out_dir/<stem>.<fmt>``."""
-    fmt = _check_format(fmt)
+    return Path(out_dir) / f"{output_stem(input_path)}.{_check_format(fmt)}"
+
+
+def output_stem(input_path: str) -> str:
+    """The name of an input's outputs, before the format's extension."""
     # A bare "/" or "." has no stem; name such outputs like stdin rather than ".txt".
-    stem = "stdin" if input_path == "-" else Path(input_path).stem or "stdin"
-    return Path(out_dir) / f"{stem}.{fmt}"
+    return "stdin" if input_path == "-" else Path(input_path).stem or "stdin"
 
 
 def write_atomic(path: Path, content: str) -> None:

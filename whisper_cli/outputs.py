@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TextIO
 
 from whisper_cli.errors import WhisperCliError
-from whisper_cli.formats import FORMATS, SubtitleOptions, output_path, render, write_atomic
+from whisper_cli.formats import FORMATS, SubtitleOptions, output_stem, render, write_atomic
 from whisper_cli.inputs import InputFile
 from whisper_cli.results import Transcript
 
@@ -22,8 +24,10 @@ class OutputPlan:
     formats: tuple[str, ...]
     output_dir: Path | None
     multiple_inputs: bool
-    # Each input's folder below output_dir (a mirrored tree with --recursive).
-    subdirs: dict[str, Path] = field(default_factory=dict)
+    # Each input's outputs below output_dir, before the format's extension: its stem, in
+    # its folder of a mirrored tree (transcribe --recursive, batch). Inputs not named
+    # here take their stem, directly in output_dir.
+    names: dict[str, PurePath] = field(default_factory=dict)
     # Folders prepare() created, so that a run that fails before writing leaves none.
     created: list[Path] = field(default_factory=list)
     subtitles: SubtitleOptions = field(default_factory=SubtitleOptions)  # word cues
@@ -36,10 +40,12 @@ class OutputPlan:
         inputs: list[InputFile],
         n_inputs: int,
         subtitles: SubtitleOptions | None = None,
+        names: Mapping[str, str] | None = None,
     ) -> OutputPlan:
         """Validate a --format / --output-dir combination (a usage error if impossible).
 
         ``n_inputs`` counts every input argument, also those that already failed.
+        ``names``: outputs the caller names (input path -> relative name, no extension).
         """
         formats = FORMATS if fmt == "all" else (fmt,)
         if fmt != "all" and fmt not in FORMATS:
@@ -56,15 +62,18 @@ class OutputPlan:
                     f"--format {fmt} for several inputs needs --output-dir "
                     f"(only {' and '.join(STREAMABLE)} can go to stdout together)"
                 )
-        subdirs = {i.path: i.subdir for i in inputs}
-        return cls(
-            formats, output_dir, n_inputs > 1, subdirs, subtitles=subtitles or SubtitleOptions()
-        )
+        plan = cls(formats, output_dir, n_inputs > 1, subtitles=subtitles or SubtitleOptions())
+        found = {i.path: (i.subdir / output_stem(i.path)).as_posix() for i in inputs}
+        return plan.with_names(found | dict(names or {}))
+
+    def with_names(self, names: Mapping[str, str]) -> OutputPlan:
+        """This plan with these names of outputs, in place of its own (see ``names``)."""
+        return dataclasses.replace(self, names={p: PurePath(n) for p, n in names.items()})
 
     def paths(self, input_path: str) -> list[Path]:
         assert self.output_dir is not None
-        folder = self.output_dir / self.subdirs.get(input_path, Path())
-        return [output_path(folder, input_path, f) for f in self.formats]
+        name = self.names.get(input_path) or PurePath(output_stem(input_path))
+        return [self.output_dir / name.parent / f"{name.name}.{f}" for f in self.formats]
 
     def check_distinct(self, input_paths: list[str]) -> None:
         """Refuse two inputs whose outputs share a name (a/x.wav and a/x.mp3 -> x.txt).
@@ -92,7 +101,7 @@ class OutputPlan:
         """
         if self.output_dir is None:
             return
-        for folder in dict.fromkeys(p.parent for i in self.subdirs for p in self.paths(i)):
+        for folder in dict.fromkeys(p.parent for i in self.names for p in self.paths(i)):
             missing = [d for d in (folder, *folder.parents) if not d.exists()][::-1]
             try:
                 folder.mkdir(parents=True, exist_ok=True)

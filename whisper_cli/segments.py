@@ -126,8 +126,11 @@ def attach_words(
     (each segment takes words until it has its tokens); after a pause (the first word
     ends over 4 median word durations after `last_speech`, the input's previous segment
     end), an overlong first word, or first two, are cut to twice the median duration.
-    A segment then starts at its first word and ends at its last, except where that word
-    runs over 0.5 s past the decoded segment time: then the word is cut to it instead.
+    A first (last) word that runs over 0.5 s before (past) the decoded segment time is cut
+    to it, but keeps at least the median word duration. The segment then spans its words,
+    from its first word's start to its last word's end: openai-whisper keeps the decoded
+    time where it cut a word, so a word kept at the median duration could end past its
+    segment (or start before it), in every format that shows both.
     """
     median, longest = window.median_duration, window.max_duration
     timings = list(window.words)
@@ -156,13 +159,10 @@ def attach_words(
                 first[1] = max(0.0, first[2] - longest)
             if start < first[2] and start - 0.5 > first[1]:
                 first[1] = max(0.0, min(first[2] - median, start))
-            else:
-                start = first[1]
             last = words[-1]
             if end > last[1] and end + 0.5 < last[2]:
                 last[2] = max(last[1] + median, end)
-            else:
-                end = last[2]
+            start, end = first[1], last[2]
             last_speech = end
         out.append(
             replace(
