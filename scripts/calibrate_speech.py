@@ -1,38 +1,79 @@
-"""Calibration data for the speech-map thresholds (options.Policy), on audio no test asserts on.
+"""Calibration data for the speech-map thresholds of options.Policy, on audio no test asserts on.
 
-The shared clips are mixed with generated white and brown noise at several SNRs, and put
-between stretches of generated non-speech (silence, noise, tones). For every segment the
-model writes (with the segment-over-non-speech rule off) the script prints the share of
-speech frames in its span, and whether its words are in the clip's reference, so the
-threshold that separates real segments from invented ones can be read off; it also
-prints the detector's speech share of each generated non-speech signal (false alarms).
+Speech comes from eSpeak NG (Debian's `espeak-ng`: several voices, English, French,
+German and Spanish; word lists with pauses, sentences, short words, at full level, 20 dB
+down and in noise) and from the real two-speaker sample of `make demo` (pyannote's,
+with its reference times in sample.stm). Non-speech is generated: clicks, knocks, noise
+bursts, tones, chords, hum and noise. The tests assert on none of it.
 
-    python scripts/calibrate_speech.py --model models/tiny.en [--model models/base]
+It prints, per question:
+  onsets  how late the detector's onset is after the true start of speech, for eSpeak's
+          (known starts) and, by word timing with the map off, for real speech: the demo
+          sample and the shared clips 20 dB down and in noise (-> speech_lead_seconds)
+  short   the peak speech probability of stretches shorter than min_speech_seconds, for
+          short words and for non-speech (-> short_speech_threshold)
+  text    for every segment decoded with the map on: the speech under it (per margin),
+          its own mean token log-prob, its window's no-speech probability, and whether
+          its words are real (-> text_min_speech_seconds, text_speech_margin_seconds)
+  ends    with the map off and no hold: the speech left running on after a window's last
+          timestamp in windows whose text is complete (-> end_slack_seconds)
+
+    python scripts/calibrate_speech.py [--model models/tiny.en] [--model models/base]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
+import soxr
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from whisper_cli import pipeline  # noqa: E402
 from whisper_cli.audio import SAMPLE_RATE, load_audio  # noqa: E402
 from whisper_cli.dtypes import resolve_policy  # noqa: E402
 from whisper_cli.loading import load_model  # noqa: E402
 from whisper_cli.options import Policy, TranscribeOptions  # noqa: E402
-from whisper_cli.pipeline import Transcriber  # noqa: E402
-from whisper_cli.speech import SpeechStream, load_detector  # noqa: E402
+from whisper_cli.speech import FRAME_SECONDS, SpeechStream, load_detector  # noqa: E402
 
-SHARED = REPO.parent / "shared" / "audio"
 RATE = SAMPLE_RATE
+DEMO = REPO / ".cache" / "demo"
+
+_WORD_LISTS = {
+    "en": "apple river seven yellow window garden pencil thunder basket morning",
+    "fr": "pomme rivière sept jaune fenêtre jardin crayon tonnerre panier matin",
+    "de": "Apfel Fluss sieben gelb Fenster Garten Bleistift Donner Korb Morgen",
+    "es": "manzana río siete amarillo ventana jardín lápiz trueno cesta mañana",
+}
+WORDS = {lang: words.split() for lang, words in _WORD_LISTS.items()}
+SHORT = {"en": ["yes", "no", "hi", "stop", "two"], "fr": ["oui", "non"], "de": ["ja", "nein"]}
+SENTENCES = {
+    "en": [
+        "And so it begins, quietly, with a single step.",
+        "Please send the report to the office before noon on Friday.",
+        "The weather turned cold, so we stayed inside and read.",
+    ],
+    "fr": ["Bonjour ! Est-ce que vous allez bien ?", "Le train part à huit heures du soir."],
+    "de": ["Guten Morgen, wie geht es Ihnen heute?", "Das Buch liegt auf dem Tisch."],
+    "es": ["Buenos días, ¿cómo estás hoy?", "La casa está cerca del río."],
+}
+VOICES = {"en": ["en", "en+f3", "en-us+m3"], "fr": ["fr", "fr+f2"], "de": ["de"], "es": ["es"]}
+
+
+def speak(text: str, voice: str, speed: int = 160) -> np.ndarray:
+    with tempfile.NamedTemporaryFile(suffix=".wav") as f:
+        subprocess.run(["espeak-ng", "-v", voice, "-s", str(speed), "-w", f.name, text], check=True)
+        audio, rate = sf.read(f.name, dtype="float32")
+    audio = soxr.resample(audio, rate, RATE).astype(np.float32)
+    nonzero = np.flatnonzero(np.abs(audio) > 1e-4)  # eSpeak pads with digital silence
+    return audio[nonzero[0] : nonzero[-1] + 1] / max(np.abs(audio).max(), 1e-9) * 0.5
 
 
 def noise(kind: str, n: int, seed: int) -> np.ndarray:
@@ -44,99 +85,345 @@ def noise(kind: str, n: int, seed: int) -> np.ndarray:
     return (x / np.sqrt(np.mean(x**2))).astype(np.float32)
 
 
-def at_snr(speech: np.ndarray, kind: str, snr_db: float, seed: int) -> np.ndarray:
-    n = noise(kind, len(speech), seed)
-    gain = np.sqrt(np.mean(speech**2) / 10 ** (snr_db / 10))
-    return (speech + gain * n).astype(np.float32)
-
-
-def tone(seconds: float, freqs: tuple[float, ...]) -> np.ndarray:
+def tone(seconds: float, freqs: tuple[float, ...], level: float = 0.3) -> np.ndarray:
     t = np.arange(round(seconds * RATE)) / RATE
-    return (0.3 * sum(np.sin(2 * np.pi * f * t) for f in freqs) / len(freqs)).astype(np.float32)
+    return (level * sum(np.sin(2 * np.pi * f * t) for f in freqs) / len(freqs)).astype(np.float32)
 
 
-def clips() -> dict[str, tuple[np.ndarray, str]]:
-    manifest = json.loads((SHARED / "manifest.json").read_text())["clips"]
-    ref = {c["file"]: c for c in manifest}
-    stereo = SHARED / "stereo_diarization.wav"
-    licence = load_audio(SHARED / "multilingual.mp3")[: 28 * RATE]
-    english = ref["multilingual.mp3"]["reference"].split(" Jedem")[0]
+def silence(seconds: float) -> np.ndarray:
+    return np.zeros(round(seconds * RATE), np.float32)
+
+
+def with_noise(x: np.ndarray, snr_db: float | None, kind: str, seed: int) -> np.ndarray:
+    """x in noise at snr_db relative to its speech level (None: clean)."""
+    if snr_db is None:
+        return x
+    level = np.sqrt(np.mean(x[np.abs(x) > 1e-3] ** 2))
+    return (x + level / 10 ** (snr_db / 20) * noise(kind, len(x), seed)).astype(np.float32)
+
+
+# --- the corpus --------------------------------------------------------------------------------
+
+
+def corpus() -> list[dict]:
+    """Inputs with their reference text and the true start of every stretch of speech."""
+    rng = np.random.default_rng(0)
+    items = []
+    for lang, voices in VOICES.items():
+        for v, voice in enumerate(voices):
+            for level_db in (0, -20):
+                gain = 10 ** (level_db / 20)
+                for snr in (None, 10):
+                    # A word list: words 1.5-3 s apart, after 2 s of silence (or noise).
+                    pieces, starts, t = [silence(2.0)], [], 2.0
+                    for word in WORDS[lang]:
+                        audio = speak(word, voice) * gain
+                        starts.append(t)
+                        gap = float(rng.uniform(1.5, 3.0))
+                        pieces += [audio, silence(gap)]
+                        t += len(audio) / RATE + gap
+                    items.append(
+                        {
+                            "name": f"{voice} words {level_db} dB snr {snr}",
+                            "lang": lang,
+                            "audio": with_noise(np.concatenate(pieces), snr, "white", v),
+                            "reference": " ".join(WORDS[lang]),
+                            "starts": starts,
+                        }
+                    )
+                    # Sentences after pauses, the last running to 0.3 s before the end.
+                    pieces, starts, t = [silence(1.5)], [], 1.5
+                    for sentence in SENTENCES[lang]:
+                        audio = speak(sentence, voice) * gain
+                        starts.append(t)
+                        pieces += [audio, silence(2.5)]
+                        t += len(audio) / RATE + 2.5
+                    pieces[-1] = silence(0.3)
+                    items.append(
+                        {
+                            "name": f"{voice} sentences {level_db} dB snr {snr}",
+                            "lang": lang,
+                            "audio": with_noise(np.concatenate(pieces), snr, "brown", v + 7),
+                            "reference": " ".join(SENTENCES[lang]),
+                            "starts": starts,
+                        }
+                    )
+            # Short words alone, each after 20 s of silence.
+            for word in SHORT.get(lang, []):
+                for level_db in (0, -20):
+                    audio = speak(word, voice) * 10 ** (level_db / 20)
+                    items.append(
+                        {
+                            "name": f"{voice} short '{word}' {level_db} dB",
+                            "lang": lang,
+                            "audio": np.concatenate([silence(20.0), audio, silence(2.0)]),
+                            "reference": word,
+                            "starts": [20.0],
+                            "short": True,
+                        }
+                    )
+    if (DEMO / "sample.wav").exists():  # `make demo` fetches it
+        starts, words, previous_end = [], [], 0.0
+        for line in (DEMO / "sample.stm").read_text().splitlines():
+            fields = line.split(maxsplit=5)
+            start, end = float(fields[3]), float(fields[4])
+            if start - previous_end >= 0.5:  # onsets after a pause only
+                starts.append(start)
+            previous_end = end
+            words.append(fields[5])
+        items.append(
+            {
+                "name": "demo sample (real, two speakers)",
+                "lang": "en",
+                "audio": load_audio(DEMO / "sample.wav"),
+                "reference": " ".join(words),
+                "starts": starts,
+            }
+        )
+    return items
+
+
+def non_speech() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    clicks = silence(20.0)
+    clicks[rng.integers(0, len(clicks), 40)] = 0.8
+    knocks = silence(20.0)
+    for at in rng.integers(0, len(knocks) - 800, 15):
+        knocks[at : at + 800] += (
+            np.exp(-np.arange(800) / 120) * np.sin(np.arange(800) * 0.3) * 0.6
+        ).astype(np.float32)
+    bursts = silence(20.0)
+    for at in rng.integers(0, len(bursts) - 3200, 12):
+        n = int(rng.integers(800, 3200))  # 50-200 ms
+        bursts[at : at + n] += 0.2 * noise("white", n, int(at))
+    beeps = np.concatenate([np.concatenate([tone(0.15, (1000.0,)), silence(0.85)])] * 20)
+    music = np.concatenate([tone(0.25, (f, f * 1.25, f * 1.5)) for f in rng.uniform(200, 600, 80)])
     return {
-        "jfk": (load_audio(SHARED / "jfk.flac"), ref["jfk.flac"]["reference"]),
-        "left": (load_audio(stereo, "left"), ref["stereo_diarization.wav"]["reference_left"]),
-        "right": (load_audio(stereo, "right"), ref["stereo_diarization.wav"]["reference_right"]),
-        "licence": (licence, english),
+        "clicks": clicks,
+        "knocks": knocks,
+        "noise bursts 50-200 ms": bursts,
+        "beeps 150 ms": beeps,
+        "music (chords, 250 ms notes)": music,
+        "hum 50 Hz + harmonics": tone(20.0, (50.0, 100.0, 150.0), 0.1),
+        "white -30 dBFS": 0.03 * noise("white", 20 * RATE, 3),
+        "brown -20 dBFS": 0.1 * noise("brown", 20 * RATE, 4),
     }
 
 
-def words(text: str) -> set[str]:
+# --- the detector alone ------------------------------------------------------------------------
+
+
+def runs(probs: np.ndarray, policy: Policy) -> list[tuple[int, int]]:
+    """(first, last + 1) frames of each stretch of speech by the policy's hysteresis."""
+    out, speaking, first = [], False, 0
+    for i, p in enumerate(probs):
+        now = p >= (policy.vad_neg_threshold if speaking else policy.vad_threshold)
+        if now and not speaking:
+            first = i
+        if speaking and not now:
+            out.append((first, i))
+        speaking = now
+    if speaking:
+        out.append((first, len(probs)))
+    return out
+
+
+def speech_map(audio: np.ndarray, detector) -> np.ndarray:
+    stream = SpeechStream(detector)
+    stream.push(audio)
+    stream.finish()
+    return stream.map()
+
+
+def onsets_and_short(items: list[dict], detector, policy: Policy) -> None:
+    print("## onsets: detector onset minus the true start of speech (s)")
+    lags: dict[str, list[float]] = {}
+    short_peaks: list[tuple[float, str]] = []
+    for item in items:
+        probs = speech_map(item["audio"], detector)
+        found = runs(probs, policy)
+        for start in item["starts"]:
+            after = [a for a, _ in found if a * FRAME_SECONDS >= start - 0.3]
+            if after:
+                lag = after[0] * FRAME_SECONDS - start
+                if lag < 1.5:  # else the detector missed this one (counted below)
+                    key = item["name"].split(" ", 1)[1]
+                    lags.setdefault(key, []).append(lag)
+        for a, b in found:
+            if (b - a) * FRAME_SECONDS < policy.min_speech_seconds:
+                short_peaks.append((float(probs[a:b].max()), item["name"]))
+        if item.get("short"):
+            peak = float(probs[round(19.5 / FRAME_SECONDS) :].max())
+            print(f"  short word {item['name']:34s} peak P {peak:.3f}")
+    every = [lag for values in lags.values() for lag in values]
+    for key, values in sorted(lags.items()):
+        v = np.array(values)
+        print(f"  {key:28s} n {len(v):3d} median {np.median(v):+.3f} max {v.max():+.3f}")
+    print(
+        f"  ALL n {len(every)} p50 {np.percentile(every, 50):+.3f} p95 "
+        f"{np.percentile(every, 95):+.3f} p99 {np.percentile(every, 99):+.3f} max {max(every):+.3f}"
+    )
+    print("\n## short stretches (< min_speech_seconds) in speech: peak P")
+    for peak, name in sorted(short_peaks, reverse=True)[:25]:
+        print(f"  {peak:.3f} {name}")
+    print("\n## short stretches in non-speech: peak P (and the longest stretch)")
+    for name, audio in non_speech().items():
+        probs = speech_map(audio, detector)
+        found = runs(probs, policy)
+        peaks = [float(probs[a:b].max()) for a, b in found]
+        longest = max(((b - a) * FRAME_SECONDS for a, b in found), default=0.0)
+        print(
+            f"  {name:30s} stretches {len(found):3d} max peak {max(peaks, default=0.0):.3f} "
+            f"longest {longest:.2f} s  overall max P {probs.max():.3f}"
+        )
+
+
+# --- through the pipeline -----------------------------------------------------------------------
+
+
+def words_of(text: str) -> set[str]:
     return {w for w in "".join(c.lower() if c.isalnum() else " " for c in text).split()}
+
+
+def decoded(model: str, items: list[dict], policy: Policy, vad: bool, tmp: Path) -> list[tuple]:
+    """(item, window, judgement) of every final verdict, through the real pipeline."""
+    loaded = load_model(model, resolve_policy("f32", "cpu"))
+    english_only = not loaded.tokenizer.is_multilingual
+    chosen = [i for i in items if not (english_only and i["lang"] != "en")]
+    paths = []
+    for n, item in enumerate(chosen):
+        paths.append(str(tmp / f"{n}.wav"))
+        sf.write(paths[-1], item["audio"], RATE, subtype="FLOAT")
+    seen: list[tuple] = []
+    real = pipeline.judge
+
+    def spy(window, attempts, *args, **kwargs):  # the judge is pure: watching it is safe
+        verdict = real(window, attempts, *args, **kwargs)
+        if verdict.final:
+            seen.append((chosen[window.source], window, verdict))
+        return verdict
+
+    pipeline.judge = spy
+    try:
+        t = pipeline.Transcriber(loaded, TranscribeOptions(vad=vad, policy=policy))
+        t.run(paths, lambda r: None, print)
+    finally:
+        pipeline.judge = real
+    return seen
+
+
+def text_evidence(model: str, items: list[dict], tmp: Path) -> None:
+    # Nothing dropped by the map, so that every segment's evidence is seen.
+    policy = Policy(text_min_speech_seconds=0.0)
+    print(f"\n## text ({Path(model).name}, map on): speech under each segment")
+    rows = []
+    for item, window, verdict in decoded(model, items, policy, True, tmp):
+        known = words_of(item["reference"])
+        for s in verdict.segments:
+            a, b = s.start - window.start, s.end - window.start
+            under = [window.speech_seconds_between(a - m, b + m) for m in (0.0, 0.25, 0.5, 1.0)]
+            real = bool(words_of(s.text) & known)
+            rows.append((under, real, s, item["name"], verdict.row.no_speech_prob))
+    rows.sort(key=lambda r: r[0][0])
+    print("  speech s under it at margin 0 / 0.25 / 0.5 / 1.0, real?, no-speech P, text")
+    for under, real, s, name, nsp in rows:
+        if not real or under[0] < 0.5:
+            print(
+                f"  {' / '.join(f'{u:.2f}' for u in under)} {'real' if real else 'INVENTED'} "
+                f"nsp {nsp:.2f} {s.text.strip()[:50]!r} [{name}]"
+            )
+    for m, margin in enumerate((0.0, 0.25, 0.5, 1.0)):
+        real_min = min((r[0][m] for r in rows if r[1]), default=float("nan"))
+        print(f"  margin {margin}: least speech under a real segment {real_min:.2f} s")
+
+
+def end_evidence(model: str, items: list[dict], tmp: Path) -> None:
+    # Map off and no hold: where does the model end by itself?
+    policy = Policy(min_speech_seconds=1e6)
+    print(f"\n## ends ({Path(model).name}, map off, no hold): speech running on after the")
+    print("   last timestamp of windows whose words are all there")
+    left = []
+    for item, window, verdict in decoded(model, items, policy, False, tmp):
+        if not verdict.segments:
+            continue
+        got = words_of(" ".join(s.text for s in verdict.segments))
+        if not words_of(item["reference"]) <= got | {"a", "the"}:
+            continue  # incomplete: that is what the hold is for
+        end = verdict.segments[-1].end - window.start
+        frame = int(np.ceil(end / FRAME_SECONDS))
+        run = 0
+        while frame + run < len(window.speech) and window.speech[frame + run]:
+            run += 1
+        left.append((run * FRAME_SECONDS, item["name"]))
+    for seconds, name in sorted(left, reverse=True)[:12]:
+        print(f"  {seconds:.2f} s [{name}]")
+    values = np.array([s for s, _ in left])
+    if len(values):
+        print(
+            f"  n {len(values)} p50 {np.percentile(values, 50):.2f} p95 "
+            f"{np.percentile(values, 95):.2f} max {values.max():.2f}"
+        )
+
+
+def real_onsets(model: str, detector, tmp: Path) -> None:
+    """Detector onset minus the first word's start (word timing, map off) after silence."""
+    shared = REPO.parent / "shared" / "audio"
+    clips = [load_audio(shared / n) for n in ("jfk.flac", "hotwords.mp3")]
+    stereo = shared / "stereo_diarization.wav"
+    clips += [load_audio(stereo, "left"), load_audio(stereo, "right")]
+    inputs = []
+    for n, clip in enumerate(clips):
+        for name, audio in (
+            ("-20 dB", clip * 0.1),
+            ("white 10 dB", with_noise(clip, 10, "white", n)),
+            ("brown 5 dB", with_noise(clip, 5, "brown", n)),
+        ):
+            inputs.append((f"clip {n} {name}", np.concatenate([silence(3.0), audio, silence(1)])))
+    if (DEMO / "sample.wav").exists():
+        inputs.append(("demo sample", load_audio(DEMO / "sample.wav")))
+    loaded = load_model(model, resolve_policy("f32", "cpu"))
+    t = pipeline.Transcriber(loaded, TranscribeOptions(vad=False, word_timestamps=True))
+    policy = Policy()
+    print(f"\n## onsets of real speech ({Path(model).name} word timing, map off)")
+    lags = []
+    for name, audio in inputs:
+        path = tmp / "onset.wav"
+        sf.write(path, audio, RATE, subtype="FLOAT")
+        words = [w for s in t.transcribe(str(path)).segments for w in s.words]
+        found = runs(speech_map(audio, detector), policy)
+        previous_end = -10.0
+        for w in words:
+            if w.start - previous_end >= 1.0:  # a word after a pause
+                after = [a * FRAME_SECONDS for a, _ in found if a * FRAME_SECONDS >= w.start - 1]
+                if after and after[0] < w.end:
+                    lags.append(after[0] - w.start)
+                    print(
+                        f"  {after[0] - w.start:+.3f} {w.word.strip()!r} at {w.start:.2f} [{name}]"
+                    )
+            previous_end = w.end
+    v = np.array(lags)
+    print(
+        f"  n {len(v)} p50 {np.median(v):+.3f} p95 {np.percentile(v, 95):+.3f} max {v.max():+.3f}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", default=None)
+    parser.add_argument("--only", choices=["detector", "text", "ends"], default=None)
     args = parser.parse_args()
     detector = load_detector()
-
-    print("## detector speech share of generated non-speech (frames >= 0.5)")
-    signals = {
-        "white -40 dBFS": 0.01 * noise("white", 30 * RATE, 1),
-        "white -20 dBFS": 0.1 * noise("white", 30 * RATE, 2),
-        "brown -26 dBFS": 0.05 * noise("brown", 30 * RATE, 3),
-        "brown -12 dBFS": 0.25 * noise("brown", 30 * RATE, 4),
-        "440 Hz": tone(30.0, (440.0,)),
-        "chord": tone(30.0, (220.0, 277.2, 329.6, 440.0)),
-    }
-    for name, x in signals.items():
-        stream = SpeechStream(detector)
-        stream.push(x)
-        p = stream.map()
-        print(f"{name:16s} speech share {np.mean(p >= 0.5):.3f}  max P {p.max():.2f}")
-
-    print("\n## detector speech share of the clips in noise (frames >= 0.5)")
-    inputs = []
+    items = corpus()
+    print(f"{len(items)} inputs, {sum(len(i['audio']) for i in items) / RATE / 60:.1f} min\n")
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (speech, reference) in clips().items():
-            for kind in ("white", "brown"):
-                for snr in (20, 10, 5, 0):
-                    mixed = at_snr(speech, kind, snr, seed=snr)
-                    stream = SpeechStream(detector)
-                    stream.push(mixed)
-                    share = np.mean(stream.map() >= 0.5)
-                    print(f"{name:8s} {kind} {snr:2d} dB: speech share {share:.2f}")
-                    # The noisy clip after 6 s of its noise alone and before 6 s of silence.
-                    lead = at_snr(np.zeros(6 * RATE, np.float32), kind, snr, seed=snr + 1)
-                    lead *= np.sqrt(np.mean(speech**2) / 10 ** (snr / 10)) / max(
-                        np.sqrt(np.mean(lead**2)), 1e-9
-                    )
-                    audio = np.concatenate([lead, mixed, np.zeros(6 * RATE, np.float32)])
-                    path = Path(tmp) / f"{name}_{kind}_{snr}.wav"
-                    sf.write(path, audio, RATE, subtype="FLOAT")
-                    inputs.append((str(path), reference))
-
+        if args.only in (None, "detector"):
+            onsets_and_short(items, detector, Policy())
+            real_onsets(str(REPO / "models" / "base"), detector, Path(tmp))
         for model in args.model or [str(REPO / "models" / "tiny.en")]:
-            loaded = load_model(model, resolve_policy("f32", "cpu"))
-            t = Transcriber(loaded, TranscribeOptions(policy=Policy(segment_min_speech=0.0)))
-            shares: list[tuple[float, bool, str]] = []
-            real_segments = Transcriber._segments
-
-            def spy(self, window, row, shares=shares, real_segments=real_segments):
-                segments = real_segments(self, window, row)
-                for s in segments:
-                    share = window.speech_share(s.start - window.start, s.end - window.start)
-                    shares.append((share, s.text))
-                return segments
-
-            Transcriber._segments = spy
-            references = dict(inputs)
-            t.run([p for p, _ in inputs], lambda r: None, print)
-            Transcriber._segments = real_segments
-            print(f"\n## {Path(model).name}: segments by speech share (share, in reference?)")
-            known = set().union(*(words(r) for r in references.values()))
-            rows = sorted((share, bool(words(text) & known), text) for share, text in shares)
-            for share, real, text in rows:
-                print(f"{share:.2f} {'real' if real else 'INVENTED'} {text.strip()[:70]}")
+            if args.only in (None, "text"):
+                text_evidence(model, items, Path(tmp))
+            if args.only in (None, "ends"):
+                end_evidence(model, items, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -111,7 +111,8 @@ def judge(
     if needs_fallback(attempts[-1], texts[-1], policy) and len(attempts) < len(policy.temperatures):
         return Judgement(final=False)
     row = best(attempts, texts, policy)
-    if is_silent(row, texts[attempts.index(row)], policy):
+    text = next(t for a, t in zip(attempts, texts, strict=True) if a is row)
+    if is_silent(row, text, policy):
         return Judgement(final=True, row=row, silent=True)
     kept: list[Segment] = []
     repetitive = dropped = 0
