@@ -50,15 +50,16 @@ class Policy:
     # natural pauses); longer ones are cut out, leaving the lead and tail below.
     # faster-whisper's VadOptions default (2000 ms).
     min_silence_seconds: float = 2.0
-    # Audio kept before each stretch of speech. scripts/calibrate_speech.py: the first
-    # word after silence, as word timing dates it with the map off, starts up to 1.07 s
-    # before the detector's onset (median 0.53 s; the shared clips 20 dB down and in
-    # noise, the demo sample), though the energy onset leads the detector's by 0.3 s at
-    # most (0.1 s for eSpeak's 391 onsets): a window that opens 1 s early shows the model
-    # the lead-in it sees at a file's start, so its first word is dated as with the map
-    # off. 1 s is also the most that keeps a window's first speech within Whisper's
-    # first-timestamp limit (max_initial_timestamp, 1 s).
-    speech_lead_seconds: float = 1.0
+    # Audio kept before each stretch of speech: the detector's onset lags the first
+    # sound of a soft consonant. scripts/calibrate_speech.py: by at most 0.10 s over
+    # eSpeak's 391 onsets (5 voices, 4 languages, 0 and -20 dB, in noise) and the demo
+    # sample's (0.10 s against its reference times); word timing with the map off dates
+    # a first word after silence 0.4-1.1 s before the detector's onset, but that is word
+    # timing stretching the word over the silence. Longer is not free: Whisper dates a
+    # window's first segment at the window's start when it opens on silence (eSpeak's
+    # "And so it begins" after 5 s of silence: 0.97 s early with a 1 s lead). 0.6 s is
+    # six times the measured lag, and bounds that error.
+    speech_lead_seconds: float = 0.6
     # Audio kept after each stretch: faster-whisper's speech_pad_ms default (400).
     speech_tail_seconds: float = 0.4
     # A stretch of speech longer than a window is cut at its least speech-like frame in
@@ -75,10 +76,14 @@ class Policy:
     text_min_speech_seconds: float = 0.1
     text_speech_margin_seconds: float = 1.0
     # The no-end rule: a decode may not end while at least min_speech_seconds of speech
-    # lie after its latest timestamp plus this slack (the model dates an utterance's end
-    # early by up to this much; speech inside the slack is the utterance it just wrote,
-    # and holding the decode open for it makes the model write that utterance again).
-    # CALIBRATE
+    # lie after its latest timestamp, not counting the first end_slack_seconds of a
+    # stretch that runs on through it (the model dates an utterance's end early; held
+    # open for the rest of what it has just written, it writes that again).
+    # scripts/calibrate_speech.py, map off and no hold: in windows whose words were all
+    # there, speech ran on after the last timestamp by up to 0.48 s (tiny.en, 30
+    # windows) and 0.42 s (base, 27); tiny.en dated the end of the demo sample's last
+    # utterance 0.99 s early (29.0 s, spoken to 29.99 s). Speech after a pause always
+    # counts, so the slack risks only a word in the same breath as what was written.
     end_slack_seconds: float = 1.0
     # The language of an input is detected from its probabilities pooled over up to this
     # much speech at its start (openai-whisper detects on the first 30 s).
