@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import soundfile as sf
 from typer.testing import CliRunner
-from util import IN_CI, real_model, shared_clip
+from util import IN_CI, jsonl_records, real_model, shared_clip
 
 from whisper_cli.batch import (
     BatchConfig,
@@ -100,7 +100,7 @@ def comparable(path: Path) -> str | dict:
     """A file's content; JSON and JSONL without the wall-clock timings."""
     text = path.read_text()
     if path.suffix in (".json", ".jsonl"):
-        data = json.loads(text)
+        (data,) = jsonl_records(text) if path.suffix == ".jsonl" else [json.loads(text)]
         data.pop("timings")
         return data
     return text

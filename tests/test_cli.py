@@ -23,7 +23,7 @@ import soundfile as sf
 from test_formats import assert_monotonic, parse_srt, parse_vtt
 from test_longform import clip, count_phrase, english, wer
 from typer.testing import CliRunner
-from util import REPO, real_model, shared_clip
+from util import REPO, jsonl_records, real_model, shared_clip
 
 from whisper_cli.cli import app
 from whisper_cli.formats import FORMATS
@@ -110,9 +110,8 @@ def test_jsonl_over_three_inputs_is_three_json_lines() -> None:
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    assert len(lines) == 3
-    records = {r["path"]: r for r in map(json.loads, lines)}
+    records = {r["path"]: r for r in jsonl_records(proc.stdout)}
+    assert len(records) == 3
     assert set(records) == set(paths)
     assert JFK_PHRASE in english(records[paths[0]]["text"])
     for record in records.values():
@@ -138,7 +137,7 @@ def test_format_all_writes_every_format_that_parses(tmp_path: Path) -> None:
     for stem in ("jfk", "hotwords"):
         txt = (out / f"{stem}.txt").read_text()
         record = json.loads((out / f"{stem}.json").read_text())
-        assert json.loads((out / f"{stem}.jsonl").read_text()) == record
+        assert jsonl_records((out / f"{stem}.jsonl").read_text()) == [record]
         for fmt, parse in (("srt", parse_srt), ("vtt", parse_vtt)):
             cues = parse((out / f"{stem}.{fmt}").read_text())
             assert_monotonic(cues)
@@ -317,7 +316,7 @@ def test_batch_size_option() -> None:
     }
 
     def texts(stdout: str) -> dict:
-        return {r["path"]: r["text"] for r in map(json.loads, stdout.splitlines())}
+        return {r["path"]: r["text"] for r in jsonl_records(stdout)}
 
     assert texts(outputs["1"]) == texts(outputs["2"]) == texts(outputs["16"])
     assert len(texts(outputs["1"])) == 3
@@ -403,8 +402,7 @@ def test_each_format_on_stdout(fmt: str) -> None:
         assert JFK_PHRASE in english(out)
         texts = out.splitlines()
     elif fmt in ("json", "jsonl"):
-        assert (len(out.splitlines()) == 1) == (fmt == "jsonl")
-        record = json.loads(out)
+        (record,) = jsonl_records(out) if fmt == "jsonl" else [json.loads(out)]
         assert record["path"] == jfk() and record["language"] == "en"
         texts = [s["text"].strip() for s in record["segments"]]
     elif fmt == "tsv":
@@ -459,12 +457,12 @@ def test_recursive(tmp_path: Path) -> None:
 
     def paths(*flags: str) -> list[str]:
         out = transcribe(str(root), "-m", tiny(), "-f", "jsonl", "-q", *flags).stdout
-        return sorted(json.loads(line)["path"] for line in out.splitlines())
+        return sorted(r["path"] for r in jsonl_records(out))
 
     assert paths() == [str(root / "a.flac")]
     # Named twice (and once more through its directory): transcribed once.
     twice = transcribe(str(root / "a.flac"), str(root), "-m", tiny(), "-f", "jsonl")
-    assert len(twice.stdout.splitlines()) == 1
+    assert len(jsonl_records(twice.stdout)) == 1
     assert f"{root / 'a.flac'} is named more than once; transcribed once" in twice.stderr
     assert paths("--recursive") == [
         str(root / "a.flac"),
@@ -782,7 +780,7 @@ def test_same_file_twice_is_transcribed_once_and_runs_end_with_a_summary(tmp_pat
     missing = str(tmp_path / "missing.wav")
     result = cli("transcribe", jfk(), hotwords, jfk(), missing, "-m", tiny(), "-f", "jsonl")
     assert result.exit_code == 1
-    assert [json.loads(line)["path"] for line in result.stdout.splitlines()] == [jfk(), hotwords]
+    assert [r["path"] for r in jsonl_records(result.stdout)] == [jfk(), hotwords]
     assert f"whisper-cli: {jfk()} is named more than once; transcribed once" in result.stderr
     last = result.stderr.splitlines()[-1]
     assert re.fullmatch(r"whisper-cli: 2 written, 1 failed, 15 s of audio in [\d.]+ s", last)

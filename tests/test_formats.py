@@ -13,6 +13,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from util import jsonl_records
 
 from whisper_cli import formats
 from whisper_cli.errors import WhisperCliError
@@ -307,10 +308,14 @@ def test_json_carries_every_field_rounded() -> None:
     }
 
 
-def test_jsonl_is_the_same_object_on_one_line() -> None:
+def test_jsonl_is_the_json_document_a_line_a_segment() -> None:
     content = render(SAMPLE, "jsonl")
-    assert content.endswith("\n") and content.count("\n") == 1
-    assert _strict_json(content) == _strict_json(render(SAMPLE, "json"))
+    lines = content.splitlines()
+    assert content.endswith("\n") and len(lines) == len(SAMPLE.segments) + 1
+    kinds = [_strict_json(line)["type"] for line in lines]
+    assert kinds == ["segment"] * len(SAMPLE.segments) + ["transcript"]
+    assert all(_strict_json(line)["path"] == SAMPLE.path for line in lines)
+    assert jsonl_records(content) == [_strict_json(render(SAMPLE, "json"))]
 
 
 def test_json_non_finite_numbers_become_null() -> None:
@@ -320,7 +325,10 @@ def test_json_non_finite_numbers_become_null() -> None:
         timings={"decode": float("inf")},
     )
     for fmt in ("json", "jsonl"):
-        data = _strict_json(render(transcript, fmt))
+        content = render(transcript, fmt)
+        for line in content.splitlines() if fmt == "jsonl" else [content]:
+            _strict_json(line)
+        (data,) = jsonl_records(content) if fmt == "jsonl" else [_strict_json(content)]
         assert data["language_probability"] is None
         assert data["timings"] == {"decode": None}
         assert data["segments"][0]["avg_logprob"] is None

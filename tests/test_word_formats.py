@@ -11,6 +11,7 @@ import json
 
 import pytest
 from test_formats import assert_monotonic, make_transcript, parse_srt, parse_vtt
+from util import jsonl_records
 
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.formats import SubtitleOptions, render
@@ -101,7 +102,8 @@ def test_highlighted_vtt_escapes_text_but_not_the_underline():
 
 def test_json_and_jsonl_carry_the_words():
     for fmt in ("json", "jsonl"):
-        data = json.loads(render(TRANSCRIPT, fmt))
+        content = render(TRANSCRIPT, fmt)
+        (data,) = jsonl_records(content) if fmt == "jsonl" else [json.loads(content)]
         assert data["segments"][0]["words"][1] == {
             "word": " so,",
             "start": 0.5,

@@ -18,7 +18,7 @@ import torch
 from reference_whisper import boundary_errors, reference_model, reference_words
 from test_formats import assert_monotonic, parse_srt, parse_vtt
 from typer.testing import CliRunner
-from util import real_model, shared_clip
+from util import jsonl_records, real_model, shared_clip
 
 from whisper_cli.audio import open_audio
 from whisper_cli.decoding import DecodeOptions
@@ -311,7 +311,7 @@ def test_json_words_carry_word_start_end_probability():
         "-f",
         "jsonl",
     )
-    (record,) = [json.loads(line) for line in out.splitlines()]
+    (record,) = jsonl_records(out)
     for segment in record["segments"]:
         assert segment["words"]
         for word in segment["words"]:

@@ -14,6 +14,23 @@ MODELS = REPO / "models"
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
+def jsonl_records(text: str) -> list[dict]:
+    """The json documents of a jsonl output, rebuilt from its lines: each input's
+    "segment" lines (in order) go into the "segments" of its "transcript" line."""
+    records, segments = [], {}
+    for line in text.splitlines():
+        item = json.loads(line)
+        kind, path = item.pop("type"), item["path"]
+        if kind == "segment":
+            del item["path"]
+            segments.setdefault(path, []).append(item)
+        else:
+            assert kind == "transcript", kind
+            records.append(item | {"segments": segments.pop(path, [])})
+    assert not segments, f"segments of no transcript: {list(segments)}"
+    return records
+
+
 def require(path: Path, why: str) -> Path:
     """`path` if it exists; else skip (locally) or fail (under CI=true, where it must exist)."""
     if path.exists():

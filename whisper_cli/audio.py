@@ -9,6 +9,11 @@ picked), resampled with a *streaming* soxr resampler and re-cut into fixed-size 
 memory stays bounded however long the input is. ``open_audio`` validates the input before
 any real work and turns every problem into an ``InputError`` that names the file.
 
+A pipe on stdin is *live*: a thread drains it as the bytes arrive, and
+FFmpeg decodes it as it comes, so text can come out while the input still flows. Inputs
+FFmpeg cannot read from the front alone (an mp4 whose index is at its end) are read to
+their end first and opened like a file; so is a pipe that is not a stream of bytes.
+
 Damaged inputs, one policy for every format: a file whose data ends before the length
 its header announces (a recording cut short, a partial download) is decoded as far as it
 goes, with one warning that says where it ends; a file damaged in the middle, or with
@@ -56,6 +61,9 @@ _READ_SECONDS = 5.0
 # Also the read size when salvaging what precedes the end of a truncated file.
 _PROBE_FRAMES = 4096
 _CHANNEL_NAMES = {"left": 0, "right": 1}
+# What FFmpeg reads of a live pipe before its first frame: up to ~100 KB (3 s of 16 kHz
+# 16-bit wav, less for compressed formats), so its probe waits for that much first.
+_LIVE_PROBE_BYTES = 1 << 17
 # A decode shorter than the header's length by more than this is reported as truncated:
 # MP3 (Xing) and AAC lengths are off by encoder delay and padding (a few frames, under
 # 0.1 s) and by up to 1% where the encoder estimated them.
@@ -183,6 +191,7 @@ class AudioSource:
         *,
         announced: float | None = None,
         chatter: _Chatter | None = None,
+        pipe: _PipeTap | None = None,
     ):
         self.info = info
         self.backend = backend  # "soundfile" or "av": which decoder reads this input
@@ -191,9 +200,20 @@ class AudioSource:
         # The length the header announces where the data may end before it (see _probe).
         self._announced = announced
         self._chatter = chatter if chatter is not None else _Chatter()
+        # Bytes still arriving (a pipe): decoded as they come, its length unknown.
+        self._pipe = pipe
+        self.live = pipe is not None
 
     def __repr__(self) -> str:
         return f"AudioSource({self.info!r}, backend={self.backend!r})"
+
+    def waited(self) -> bool:
+        """Whether reading it has waited for bytes to arrive since the last call: a live
+        input being read as fast as it comes (never, for a file)."""
+        if self._pipe is None:
+            return False
+        waited, self._pipe.starved = self._pipe.starved, False
+        return waited
 
     def blocks(self, block_seconds: float = 30.0) -> Iterator[np.ndarray]:
         """Yield the audio as float32 mono 16 kHz blocks of ``block_seconds`` (the last shorter).
@@ -205,7 +225,8 @@ class AudioSource:
         block_size = round(block_seconds * SAMPLE_RATE)
         if block_size < 1:
             raise ValueError(f"block_seconds must be positive, got {block_seconds}")
-        read_frames = max(1, round(_READ_SECONDS * self.info.sample_rate))
+        read_seconds = min(_READ_SECONDS, block_seconds)  # a small block is read as soon
+        read_frames = max(1, round(read_seconds * self.info.sample_rate))
         tally = _Tally()
         if self.backend == "soundfile":
             native = _decode_soundfile(
@@ -267,10 +288,26 @@ def open_audio(
     name = str(path)
     opener = _stdin_opener(stdin) if name == STDIN_PATH else _file_opener(name)
     chatter = _Chatter()
-    info, backend, announced = _probe(name, opener, chatter)
+    live = tap = None
+    if isinstance(opener, _PipeTap):
+        tap = opener
+        live = _probe_live(name, tap, chatter)
+        opener = tap.reader if live is not None else _whole(name, tap)
+    if live is not None:
+        info, backend, announced = live, "av", None
+    else:
+        info, backend, announced = _probe(name, opener, chatter)
     if channel_index is not None and channel_index >= info.channels:
         raise InputError(name, _missing_channel(channel, info.channels))
-    return AudioSource(info, backend, opener, channel_index, announced=announced, chatter=chatter)
+    return AudioSource(
+        info,
+        backend,
+        opener,
+        channel_index,
+        announced=announced,
+        chatter=chatter,
+        pipe=tap if live is not None else None,
+    )
 
 
 def load_audio(path: str | Path, channel: str | int | None = None) -> np.ndarray:
@@ -304,17 +341,145 @@ def _missing_channel(channel: str | int | None, channels: int) -> str:
     return f"has no {what} ({have})"
 
 
-def _stdin_opener(stdin: BinaryIO | None) -> Opener:
-    # Pipes cannot seek, and both decoders need to (headers at the end, probing), so the
-    # whole input is held in memory; that is the price of reading from a pipe.
+def _stdin_opener(stdin: BinaryIO | None) -> Opener | _PipeTap:
+    # Pipes cannot seek, and libsndfile and FFmpeg's probes of some formats need to: what
+    # is read is held in memory (the price of reading from a pipe), and a pipe is decoded
+    # live where FFmpeg can (see the module doc).
     stream = stdin if stdin is not None else sys.stdin.buffer
     stream = getattr(stream, "buffer", stream)  # a text-mode stdin still has bytes below
+    if _is_pipe(stream):
+        return _PipeTap(STDIN_PATH, stream)
     try:
         data = stream.read()
     except OSError as e:
         raise InputError(STDIN_PATH, f"cannot be read ({e.strerror or e})") from None
     if not data:
         raise InputError(STDIN_PATH, "contains no audio")
+    return lambda: io.BytesIO(data)
+
+
+def _is_pipe(stream: BinaryIO) -> bool:
+    """A FIFO or socket (a shell pipe, a named pipe): bytes that arrive over time."""
+    import stat
+
+    try:
+        return stat.S_ISFIFO(os.fstat(stream.fileno()).st_mode) or stat.S_ISSOCK(
+            os.fstat(stream.fileno()).st_mode
+        )
+    except (OSError, ValueError, io.UnsupportedOperation, AttributeError):
+        return False  # an in-memory stream (a library caller's BytesIO): read at once
+
+
+class _PipeTap:
+    """Every byte read from a pipe so far, read by a thread as it arrives.
+
+    Readers (`reader()`) start at byte 0 and block until the bytes they ask for have
+    arrived (or the pipe has ended), so the input can be decoded more than once, as a
+    file can. The bytes are held, as a pipe read to its end would be.
+    """
+
+    _CHUNK = 1 << 16
+
+    def __init__(self, name: str, stream: BinaryIO) -> None:
+        self.name = name
+        self._data = bytearray()
+        self._ended = False
+        self.starved = False  # a reader waited for bytes (cleared by AudioSource.waited)
+        self._error: OSError | None = None
+        self._cond = threading.Condition()
+        self._stream = stream
+        threading.Thread(target=self._drain, name="whisper-cli-pipe", daemon=True).start()
+
+    def _drain(self) -> None:
+        read = getattr(self._stream, "read1", self._stream.read)
+        try:
+            while chunk := read(self._CHUNK):
+                with self._cond:
+                    self._data += chunk
+                    self._cond.notify_all()
+        except OSError as e:
+            self._error = e
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
+
+    def wait(self, size: int) -> int:
+        """Block until `size` bytes have arrived or the pipe has ended; the bytes there."""
+        with self._cond:
+            if not (self._ended or len(self._data) >= size):
+                self.starved = True
+                self._cond.wait_for(lambda: self._ended or len(self._data) >= size)
+            if self._error is not None and len(self._data) < size:
+                raise InputError(
+                    self.name, f"cannot be read ({self._error.strerror or self._error})"
+                )
+            return len(self._data)
+
+    def slice(self, start: int, size: int) -> bytes:
+        with self._cond:
+            return bytes(self._data[start : start + size])
+
+    def whole(self) -> bytes:
+        """Every byte of the pipe, once it has ended."""
+        self.wait(1 << 62)
+        return self.slice(0, len(self._data))
+
+    def reader(self) -> _TapReader:
+        return _TapReader(self)
+
+
+class _TapReader:
+    """A forward-only reader of a _PipeTap (no `seek`: FFmpeg then reads it as a stream)."""
+
+    # Bytes that must have arrived past the position before a decoder call: the call then
+    # rarely waits on the pipe while fd 2 is captured and Ctrl-C held (see _Chatter).
+    AHEAD = 1 << 13
+
+    def __init__(self, tap: _PipeTap) -> None:
+        self.tap = tap
+        self.pos = 0
+
+    def read(self, size: int = -1) -> bytes:
+        want = (1 << 62) if size is None or size < 0 else size
+        got = self.tap.wait(self.pos + 1)
+        chunk = self.tap.slice(self.pos, min(want, got - self.pos))
+        self.pos += len(chunk)
+        return chunk
+
+    def prefetch(self) -> None:
+        self.tap.wait(self.pos + self.AHEAD)
+
+    def __enter__(self) -> _TapReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _probe_live(name: str, tap: _PipeTap, chatter: _Chatter) -> AudioInfo | None:
+    """The input's rate and channels if FFmpeg decodes it from the front as it arrives;
+    None if it cannot (it is then read whole and probed like a file)."""
+    if tap.wait(1) == 0:
+        raise InputError(name, "contains no audio")
+    import av
+
+    reader = tap.reader()
+    tap.wait(_LIVE_PROBE_BYTES)  # outside the capture: Ctrl-C is not held while it waits
+    try:
+        with _open_av(reader, chatter) as container:
+            if not container.streams.audio:
+                return None
+            with chatter.capture():
+                rate, channels = _first_frames(name, container, container.streams.audio[0])
+    except (av.FFmpegError, InputError):
+        return None
+    return AudioInfo(name, None, rate, channels)
+
+
+def _whole(name: str, tap: _PipeTap) -> Opener:
+    data = tap.whole()
+    if not data:
+        raise InputError(name, "contains no audio")
     return lambda: io.BytesIO(data)
 
 
@@ -571,6 +736,8 @@ def _decode_av(
             count = 0
             frames = container.decode(container.streams.audio[0])
             while True:
+                if isinstance(fobj, _TapReader):
+                    fobj.prefetch()  # wait for the pipe outside the capture
                 with chatter.capture():
                     frame = next(frames, None)
                 if frame is None:

@@ -36,7 +36,14 @@ from whisper_cli.errors import (
     WhisperCliError,
     WhisperCliWarning,
 )
-from whisper_cli.options import COMPILE_CHOICES, Policy, default_model, use_compile
+from whisper_cli.options import (
+    COMPILE_CHOICES,
+    LIVE_LATENCY_SECONDS,
+    Policy,
+    default_model,
+    parse_latency,
+    use_compile,
+)
 
 if TYPE_CHECKING:
     from whisper_cli.pipeline import TranscribeOptions
@@ -369,6 +376,16 @@ BatchSizeOpt = Annotated[
         min=1, metavar="N", help="Windows decoded together.", rich_help_panel=PANEL_PERFORMANCE
     ),
 ]
+LatencyOpt = Annotated[
+    str,
+    typer.Option(
+        metavar="SECONDS",
+        help="Decode a window once its first speech has waited this long, without "
+        "waiting for a full batch: text of live input as it is spoken. auto = "
+        f"{LIVE_LATENCY_SECONDS:g} s for a pipe on stdin, off for files; off = never.",
+        rich_help_panel=PANEL_PERFORMANCE,
+    ),
+]
 QuietOpt = Annotated[
     bool,
     typer.Option(
@@ -440,6 +457,7 @@ def transcribe_options(a: dict[str, Any], device_type: str) -> TranscribeOptions
         vad=not a["no_vad"],
         policy=_policy(a),
         word_timestamps=a.get("word_timestamps", False),
+        latency=parse_latency(a.get("latency", "auto")),
     )
     check_options(options)
     return options
@@ -510,6 +528,7 @@ def transcribe(
     compression_ratio_threshold: CompressionRatioThresholdOpt = Policy.compression_ratio_threshold,
     batch_size: BatchSizeOpt = 16,
     compile: CompileOpt = Compile.auto,
+    latency: LatencyOpt = "auto",
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
     debug: DebugOpt = False,
@@ -543,10 +562,11 @@ def _silence_stdout() -> None:
         os.close(devnull)
 
 
-def _write_stdout(term: _Terminal, write) -> None:
+def _write_stdout(term: _Terminal, text: str) -> None:
     try:
         with term.above_progress():
-            write()
+            sys.stdout.write(text)
+            sys.stdout.flush()
     except BrokenPipeError:
         raise _StdoutClosed from None
     except OSError as exc:  # a full disk (> /dev/full), an I/O error
@@ -621,9 +641,20 @@ def _run(a, term: _Terminal, plan, expanded, files, skipped, started: float) -> 
     n_inputs = len(expanded.files) + len(expanded.errors)
     if sources:
         loaded = _load(a["model"], policy, term)
+        from whisper_cli.outputs import OutputStream
         from whisper_cli.pipeline import Transcriber
 
         transcriber = Transcriber(loaded, options)
+        stream = OutputStream(
+            plan, [s.info.path for s in sources], lambda text: _write_stdout(term, text)
+        )
+
+        def on_segments(path: str, segments) -> None:
+            _check_interrupt()
+            if a["verbose"]:
+                for s in segments:
+                    term.line(f"[{s.start:8.2f} --> {s.end:8.2f}] {s.text.strip()}")
+            stream.segments(path, segments)
 
         def on_result(t) -> None:
             nonlocal written, files_written, audio_seconds
@@ -631,28 +662,31 @@ def _run(a, term: _Terminal, plan, expanded, files, skipped, started: float) -> 
             if t.language and loaded.tokenizer.is_multilingual:
                 prob = f" (p={t.language_probability:.2f})" if t.language_probability else ""
                 term.info(f"{t.path}: language {t.language}{prob}")
-            if a["verbose"]:
-                for s in t.segments:
-                    term.line(f"[{s.start:8.2f} --> {s.end:8.2f}] {s.text.strip()}")
             for note in t.notes:
                 term.warning(f"{t.path}: {note}")
             if not t.segments and not t.notes:
                 term.info(f"{t.path}: no speech found")
-            if plan.output_dir is None:
-                _write_stdout(term, lambda: plan.emit(t, sys.stdout))
-            else:
-                files_written += len(plan.emit(t, sys.stdout))
+            files_written += len(stream.finish(t))
             written += 1
             audio_seconds += t.duration
             term.file_done()
 
         def on_input_error(err: WhisperCliError) -> None:
             on_error(err)
+            if isinstance(err, InputError):
+                stream.drop(err.path)
             term.file_done()
 
         total = sum(s.info.duration or 0.0 for s in sources)
-        with term.progress(len(sources), total if all(s.info.duration for s in sources) else None):
-            transcriber.run(sources, on_result, on_input_error, term.update)
+        try:
+            with term.progress(
+                len(sources), total if all(s.info.duration for s in sources) else None
+            ):
+                transcriber.run(
+                    sources, on_result, on_input_error, term.update, on_segments=on_segments
+                )
+        finally:
+            stream.abort()  # interrupted or failed: no partial output file is left
     _check_interrupt()
     # A run with several inputs counts them; one that writes files says what it wrote
     # (otherwise a single input with -o would end without a word).

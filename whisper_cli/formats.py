@@ -66,7 +66,23 @@ class SubtitleOptions:
 
 def render(transcript: Transcript, fmt: str, subtitles: SubtitleOptions | None = None) -> str:
     """Return ``transcript`` rendered in ``fmt`` (one of FORMATS)."""
-    return _RENDERERS[_check_format(fmt)](transcript, subtitles or SubtitleOptions())
+    return "".join(render_chunks(transcript, fmt, subtitles))
+
+
+def render_chunks(
+    transcript: Transcript,
+    fmt: str,
+    subtitles: SubtitleOptions | None = None,
+    final: bool = True,
+) -> list[str]:
+    """``transcript`` rendered in ``fmt`` as pieces (lines, cues) that join to render().
+
+    final=False: ``transcript`` holds the segments so far of one still being written;
+    only the pieces that later segments cannot change are returned, so they are a prefix
+    of the pieces of any transcript whose segments begin with these (what streams).
+    json, one document, has no piece before the end.
+    """
+    return _RENDERERS[_check_format(fmt)](transcript, subtitles or SubtitleOptions(), final)
 
 
 def output_path(out_dir: Path, input_path: str, fmt: str) -> Path:
@@ -83,37 +99,58 @@ def output_stem(input_path: str) -> str:
 def write_atomic(path: Path, content: str) -> None:
     """Write ``content`` (UTF-8) to ``path`` so readers only ever see the old or the whole new file.
 
-    The temp file lives in the target's directory because ``os.replace`` is only atomic
-    within one filesystem. On any failure, Ctrl-C included, the temp file is removed and
-    an existing target is left as it was.
+    On any failure, Ctrl-C included, the temp file is removed and an existing target is
+    left as it was.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mode = _target_mode(path)
-    tmp_name: str | None = None
+    out = AtomicFile(path)
     try:
-        with tempfile.NamedTemporaryFile(
+        out.write(content)
+        out.commit()
+    except BaseException:
+        out.discard()
+        raise
+
+
+class AtomicFile:
+    """A file written piece by piece into a temp file beside ``path``, which becomes
+    ``path`` at `commit` (readers see the old file or the whole new one, never a part);
+    `discard` removes it, leaving an existing target as it was.
+
+    The temp file lives in the target's directory because ``os.replace`` is only atomic
+    within one filesystem.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._mode = _target_mode(self.path)
+        self._file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed by commit/discard
             "w",
             encoding="utf-8",
             newline="",  # keep "\n" as rendered on every platform
-            dir=path.parent,
-            prefix=f".{path.name}.",
+            dir=self.path.parent,
+            prefix=f".{self.path.name}.",
             suffix=".tmp",
             delete=False,
-        ) as tmp:
-            tmp_name = tmp.name
-            tmp.write(content)
-            tmp.flush()
-            os.fsync(tmp.fileno())
+        )
+
+    def write(self, text: str) -> None:
+        self._file.write(text)
+
+    def commit(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
         # NamedTemporaryFile creates 0600; give the output the mode a plain open() would.
-        os.chmod(tmp_name, mode)
-        os.replace(tmp_name, path)
-    except BaseException:
-        if tmp_name is not None:
-            # Best effort: a failed unlink must not hide the original error.
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_name)
-        raise
+        os.chmod(self._file.name, self._mode)
+        os.replace(self._file.name, self.path)
+
+    def discard(self) -> None:
+        # Best effort: a failed unlink must not hide the error that led here.
+        with contextlib.suppress(OSError):
+            self._file.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self._file.name)
 
 
 def temp_files(path: Path) -> list[Path]:
@@ -188,11 +225,15 @@ Cue = tuple[int, int, list[str]]  # start ms, end ms, text lines
 
 
 def _cues(
-    transcript: Transcript, options: SubtitleOptions, escape: Callable[[str], str] = str
+    transcript: Transcript,
+    options: SubtitleOptions,
+    escape: Callable[[str], str] = str,
+    final: bool = True,
 ) -> Iterator[Cue]:
-    """(start ms, end ms, escaped text lines) of every cue that has text to show."""
+    """(start ms, end ms, escaped text lines) of every cue that has text to show; not
+    final: the cues later segments cannot change (see render_chunks)."""
     if any(s.words for s in transcript.segments):
-        yield from _word_cues(transcript.segments, options, escape)
+        yield from _word_cues(transcript.segments, options, escape, final)
         return
     for segment in transcript.segments:
         lines = _cue_lines(escape(segment.text))
@@ -200,9 +241,13 @@ def _cues(
             yield (*_span_ms(segment), lines)
 
 
-def _word_groups(segments: tuple[Segment, ...], o: SubtitleOptions) -> Iterator[list[Word]]:
+def _word_groups(
+    segments: tuple[Segment, ...], o: SubtitleOptions, final: bool = True
+) -> Iterator[list[Word]]:
     """Words grouped into cues, openai-whisper's algorithm (SubtitlesWriter): a word's
-    text here begins with "\n" where it starts a new line of its cue."""
+    text here begins with "\n" where it starts a new line of its cue. Each group is
+    closed by the word after it, so the last one may grow: not final, it is held back
+    where cues run across segments (a segment's own cues close with it)."""
     preserve_segments = o.max_line_count is None or o.max_line_width is None
     max_width = o.max_line_width or 1000
     per_line = o.max_words_per_line or 1000
@@ -233,14 +278,17 @@ def _word_groups(segments: tuple[Segment, ...], o: SubtitleOptions) -> Iterator[
                     word = Word(text, word.start, word.end, word.probability)
                 cue.append(word)
                 last = word.start
-    if cue:
+    if cue and (final or preserve_segments):
         yield cue
 
 
 def _word_cues(
-    segments: tuple[Segment, ...], o: SubtitleOptions, escape: Callable[[str], str]
+    segments: tuple[Segment, ...],
+    o: SubtitleOptions,
+    escape: Callable[[str], str],
+    final: bool = True,
 ) -> Iterator[Cue]:
-    for cue in _word_groups(segments, o):
+    for cue in _word_groups(segments, o, final):
         texts = [escape(w.word) for w in cue]
         start, end = _to_ms(cue[0].start), max(_to_ms(cue[0].start), _to_ms(cue[-1].end))
         plain = _cue_lines("".join(texts))
@@ -268,24 +316,26 @@ def _underline(text: str) -> str:
     return text[: len(text) - len(body)] + f"<u>{body}</u>" if body else text
 
 
-# --- renderers -----------------------------------------------------------------------------
+# --- renderers: each returns the pieces of its format (see render_chunks) -----------------
 
 
-def _render_txt(transcript: Transcript, _: SubtitleOptions) -> str:
+def _render_txt(transcript: Transcript, _: SubtitleOptions, final: bool) -> list[str]:
     if transcript.segments:
         lines = [_single_line(s.text) for s in transcript.segments]
     else:
-        lines = [_single_line(transcript.text)]
-    lines = [line for line in lines if line]
-    return "".join(f"{line}\n" for line in lines)
+        lines = [_single_line(transcript.text)] if final else []
+    return [f"{line}\n" for line in lines if line]
 
 
-def _render_srt(transcript: Transcript, options: SubtitleOptions) -> str:
-    cues = [
-        f"{number}\n{_timestamp(start, ',')} --> {_timestamp(end, ',')}\n" + "\n".join(lines)
-        for number, (start, end, lines) in enumerate(_cues(transcript, options), start=1)
+def _render_srt(transcript: Transcript, options: SubtitleOptions, final: bool) -> list[str]:
+    # Cues are separated by a blank line: each after the first opens with it.
+    return [
+        f"{chr(10) * (number > 1)}{number}\n{_timestamp(start, ',')} --> "
+        f"{_timestamp(end, ',')}\n" + "\n".join(lines) + "\n"
+        for number, (start, end, lines) in enumerate(
+            _cues(transcript, options, final=final), start=1
+        )
     ]
-    return "\n\n".join(cues) + "\n" if cues else ""
 
 
 def _vtt_escape(line: str) -> str:
@@ -294,25 +344,25 @@ def _vtt_escape(line: str) -> str:
     return line.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-def _render_vtt(transcript: Transcript, options: SubtitleOptions) -> str:
+def _render_vtt(transcript: Transcript, options: SubtitleOptions, final: bool) -> list[str]:
     cues = [
-        f"{_timestamp(start, '.')} --> {_timestamp(end, '.')}\n" + "\n".join(lines)
-        for start, end, lines in _cues(transcript, options, _vtt_escape)
+        f"\n{_timestamp(start, '.')} --> {_timestamp(end, '.')}\n" + "\n".join(lines) + "\n"
+        for start, end, lines in _cues(transcript, options, _vtt_escape, final)
     ]
-    return "WEBVTT\n\n" + "\n\n".join(cues) + "\n" if cues else "WEBVTT\n"
+    return ["WEBVTT\n", *cues]
 
 
-def _render_tsv(transcript: Transcript, options: SubtitleOptions) -> str:
+def _render_tsv(transcript: Transcript, options: SubtitleOptions, final: bool) -> list[str]:
     """One row per cue (per segment unless words were cut into cues); no highlighting."""
-    rows = ["start\tend\ttext"]
+    rows = ["start\tend\ttext\n"]
     plain = SubtitleOptions(
         options.max_line_width, options.max_line_count, options.max_words_per_line
     )
-    for start, end, lines in _cues(transcript, plain):
+    for start, end, lines in _cues(transcript, plain, final=final):
         text = _single_line(" ".join(lines))
         if text:
-            rows.append(f"{start}\t{end}\t{text}")
-    return "\n".join(rows) + "\n"
+            rows.append(f"{start}\t{end}\t{text}\n")
+    return rows
 
 
 def _number(value: float | None, decimals: int) -> float | None:
@@ -346,8 +396,8 @@ def _word_dict(word: Word) -> dict[str, Any]:
     }
 
 
-def _transcript_dict(transcript: Transcript) -> dict[str, Any]:
-    data = {
+def _transcript_fields(transcript: Transcript) -> dict[str, Any]:
+    return {
         "path": transcript.path,
         "text": transcript.text,
         "language": transcript.language,
@@ -358,26 +408,50 @@ def _transcript_dict(transcript: Transcript) -> dict[str, Any]:
         "timings": {
             name: _number(value, _TIME_DECIMALS) for name, value in transcript.timings.items()
         },
-        "segments": [_segment_dict(i, s) for i, s in enumerate(transcript.segments)],
     }
-    if any(s.words for s in transcript.segments):  # word timestamps were asked for
-        for segment, item in zip(transcript.segments, data["segments"], strict=True):
-            item["words"] = [_word_dict(w) for w in segment.words]
-    return data
 
 
-def _render_json(transcript: Transcript, _: SubtitleOptions) -> str:
+def _segment_item(index: int, segment: Segment, words: bool) -> dict[str, Any]:
+    item = _segment_dict(index, segment)
+    if words:
+        item["words"] = [_word_dict(w) for w in segment.words]
+    return item
+
+
+def _transcript_dict(transcript: Transcript) -> dict[str, Any]:
+    words = any(s.words for s in transcript.segments)  # word timestamps were asked for
+    return _transcript_fields(transcript) | {
+        "segments": [_segment_item(i, s, words) for i, s in enumerate(transcript.segments)]
+    }
+
+
+def _json_line(data: dict[str, Any]) -> str:
     # allow_nan=False: the output must be valid JSON for any strict reader.
+    return json.dumps(data, ensure_ascii=False, allow_nan=False) + "\n"
+
+
+def _render_json(transcript: Transcript, _: SubtitleOptions, final: bool) -> list[str]:
+    if not final:
+        return []
     text = json.dumps(_transcript_dict(transcript), indent=2, ensure_ascii=False, allow_nan=False)
-    return text + "\n"
+    return [text + "\n"]
 
 
-def _render_jsonl(transcript: Transcript, _: SubtitleOptions) -> str:
-    text = json.dumps(_transcript_dict(transcript), ensure_ascii=False, allow_nan=False)
-    return text + "\n"
+def _render_jsonl(transcript: Transcript, _: SubtitleOptions, final: bool) -> list[str]:
+    """A line per segment as it comes ("type": "segment", with its input's path), then a
+    line for the whole input ("type": "transcript": its text, language, duration, ...)."""
+    lines = [
+        _json_line(
+            {"type": "segment", "path": transcript.path, **_segment_item(i, s, bool(s.words))}
+        )
+        for i, s in enumerate(transcript.segments)
+    ]
+    if final:
+        lines.append(_json_line({"type": "transcript", **_transcript_fields(transcript)}))
+    return lines
 
 
-_RENDERERS: dict[str, Callable[[Transcript, SubtitleOptions], str]] = {
+_RENDERERS: dict[str, Callable[[Transcript, SubtitleOptions, bool], list[str]]] = {
     "txt": _render_txt,
     "json": _render_json,
     "jsonl": _render_jsonl,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from whisper_cli.errors import WhisperCliError
+
 
 def default_model(device_type: str) -> str:
     """The model of a run that names none: turbo on CUDA, base otherwise.
@@ -127,6 +129,37 @@ class Policy:
                 raise ValueError(f"{name} must be >= 0")
 
 
+# The latency bound of a run with live input (a pipe on stdin) that sets none: the text of
+# an utterance is due this long after its first speech was read (plus a decode). Shorter
+# bounds cut shorter windows, which give the model less context; see the README's
+# streaming section for the figures behind the value.
+LIVE_LATENCY_SECONDS = 3.0
+
+
+def run_latency(latency: float | None, live: bool) -> float | None:
+    """The latency bound of a run: as given (inf: none), else LIVE_LATENCY_SECONDS when
+    an input is live (files are read faster than real time: no bound)."""
+    if latency is None:
+        return LIVE_LATENCY_SECONDS if live else None
+    return None if latency == float("inf") else latency
+
+
+def parse_latency(text: str) -> float | None:
+    """`--latency auto|off|SECONDS` as TranscribeOptions.latency (a usage error if invalid)."""
+    choice = text.strip().lower()
+    if choice == "auto":
+        return None
+    if choice == "off":
+        return float("inf")
+    try:
+        seconds = float(choice)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise WhisperCliError(f"invalid --latency {text!r}: auto, off or seconds >= 0")
+    return seconds
+
+
 @dataclass(frozen=True)
 class TranscribeOptions:
     language: str | None = None  # None: detect per input (or per window if multilingual)
@@ -145,3 +178,10 @@ class TranscribeOptions:
     vad: bool = True
     policy: Policy = Policy()
     word_timestamps: bool = False  # words with times (one alignment pass per batch)
+    # Seconds a window may wait for its batch (see run_latency): None decides by the
+    # input (a bound for live input, none for files), inf never bounds.
+    latency: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.latency is not None and not self.latency >= 0:
+            raise ValueError("latency must be >= 0 seconds")

@@ -1,4 +1,11 @@
-"""Where transcripts go: stdout or files in an output directory, in one or more formats."""
+"""Where transcripts go: stdout or files in an output directory, in one or more formats.
+
+A run's outputs stream (OutputStream): each input's segments are rendered as soon as the
+pipeline says they are final, to stdout at once (inputs one after another, in the order
+given: a later input's text waits for the one before it to end) or into temp files that
+become the outputs when their input ends. What streams is, piece for piece, what the
+whole transcript renders to (formats.render_chunks); json, one document, comes at the end.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +13,21 @@ import contextlib
 import dataclasses
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import TextIO
 
 from whisper_cli.errors import WhisperCliError
-from whisper_cli.formats import FORMATS, SubtitleOptions, output_stem, render, write_atomic
+from whisper_cli.formats import (
+    FORMATS,
+    AtomicFile,
+    SubtitleOptions,
+    output_stem,
+    render_chunks,
+)
 from whisper_cli.inputs import InputFile
-from whisper_cli.results import Transcript
+from whisper_cli.results import Segment, Transcript
 
 STREAMABLE = ("txt", "jsonl")  # formats that concatenate cleanly on stdout
 
@@ -135,23 +148,127 @@ class OutputPlan:
         return self.output_dir is not None and all(p.exists() for p in self.paths(input_path))
 
     def emit(self, transcript: Transcript, stdout: TextIO) -> list[Path]:
-        """Write one transcript; returns the files written (none when it went to stdout).
+        """Write one whole transcript; returns the files written (none when it went to
+        stdout).
 
         Writing to stdout lets OSError through (BrokenPipeError, a full disk): what they
         mean is the caller's to say.
         """
-        if self.output_dir is None:
-            fmt = self.formats[0]
-            if fmt == "txt" and self.multiple_inputs:
-                stdout.write(f"==> {transcript.path} <==\n")
-            stdout.write(render(transcript, fmt, self.subtitles))
-            stdout.flush()
-            return []
+        stream = OutputStream(self, [transcript.path], lambda text: _write(stdout, text))
+        try:
+            return stream.finish(transcript)
+        finally:
+            stream.abort()  # after a failure: no temp file left (after success: none open)
+
+
+def _write(stdout: TextIO, text: str) -> None:
+    stdout.write(text)
+    stdout.flush()
+
+
+@dataclass
+class _Open:
+    """An input whose outputs are being written."""
+
+    segments: list[Segment] = field(default_factory=list)
+    pieces: dict[str, int] = field(default_factory=dict)  # format -> pieces rendered so far
+    files: dict[str, AtomicFile] = field(default_factory=dict)
+    held: list[str] = field(default_factory=list)  # stdout text not written yet
+    announced: bool = False  # its "==> path <==" line is out (txt, several inputs)
+    ended: bool = False
+
+
+class OutputStream:
+    """The outputs of one run, written as each input's segments become final."""
+
+    def __init__(self, plan: OutputPlan, paths: list[str], stdout: Callable[[str], None]):
+        """paths: the run's inputs, in the order stdout gives them; stdout(text) writes
+        (and flushes)."""
+        self.plan = plan
+        self._stdout = stdout
+        self._order = list(dict.fromkeys(paths))
+        self._open: dict[str, _Open] = {}
+
+    def segments(self, path: str, segments: tuple[Segment, ...]) -> None:
+        """More final segments of an input, in order."""
+        state = self._open.setdefault(path, _Open())
+        state.segments.extend(segments)
+        self._render(path, state, Transcript(path, "", None, tuple(state.segments), 0.0), False)
+
+    def finish(self, transcript: Transcript) -> list[Path]:
+        """An input's whole transcript (its segments begin with those given so far); the
+        files written (none for stdout)."""
+        state = self._open.setdefault(transcript.path, _Open())
+        self._render(transcript.path, state, transcript, True)
+        state.ended = True
         written = []
-        for fmt, path in zip(self.formats, self.paths(transcript.path), strict=True):
+        for out in state.files.values():
             try:
-                write_atomic(path, render(transcript, fmt, self.subtitles))
-            except OSError as exc:  # unwritable directory, disk full: the run cannot go on
-                raise WhisperCliError(f"cannot write {path}: {exc.strerror or exc}") from exc
-            written.append(path)
+                out.commit()
+            except OSError as exc:
+                raise WhisperCliError(f"cannot write {out.path}: {exc.strerror or exc}") from exc
+            written.append(out.path)
+        state.files.clear()
+        if self.plan.output_dir is None:
+            self._flush_stdout()
+        else:
+            del self._open[transcript.path]
         return written
+
+    def drop(self, path: str) -> None:
+        """An input failed: its files are not written (what it sent to stdout is out)."""
+        state = self._open.pop(path, None)
+        for out in state.files.values() if state else ():
+            out.discard()
+        if path in self._order:
+            self._order.remove(path)
+            self._flush_stdout()
+
+    def abort(self) -> None:
+        """The run stops: no output of an unfinished input is left, not even a temp file."""
+        for state in self._open.values():
+            for out in state.files.values():
+                out.discard()
+            state.files.clear()
+
+    def _render(self, path: str, state: _Open, transcript: Transcript, final: bool) -> None:
+        plan = self.plan
+        if plan.output_dir is None:
+            targets: list[tuple[str, Path | None]] = [(plan.formats[0], None)]
+        else:
+            targets = list(zip(plan.formats, plan.paths(path), strict=True))
+        for fmt, target in targets:
+            pieces = render_chunks(transcript, fmt, plan.subtitles, final)
+            new = "".join(pieces[state.pieces.get(fmt, 0) :])
+            state.pieces[fmt] = len(pieces)
+            if target is None:
+                state.held.append(new)
+                continue
+            if not new:
+                continue
+            try:
+                if fmt not in state.files:
+                    state.files[fmt] = AtomicFile(target)
+                state.files[fmt].write(new)
+            except OSError as exc:  # unwritable directory, disk full: the run cannot go on
+                raise WhisperCliError(f"cannot write {target}: {exc.strerror or exc}") from exc
+        if plan.output_dir is None:
+            self._flush_stdout()
+
+    def _flush_stdout(self) -> None:
+        """Write what the inputs at the head of the order have; pass those that ended."""
+        header = self.plan.formats[0] == "txt" and self.plan.multiple_inputs
+        while self._order and self._order[0] in self._open:
+            path = self._order[0]
+            state = self._open[path]
+            text = "".join(state.held)
+            state.held.clear()
+            if header and not state.announced and (text or state.ended):
+                text = f"==> {path} <==\n" + text
+                state.announced = True
+            if text:
+                self._stdout(text)
+            if not state.ended:
+                return
+            self._order.pop(0)
+            del self._open[path]

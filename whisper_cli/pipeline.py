@@ -2,10 +2,10 @@
 
 Data flows one way: inputs -> audio blocks -> speech map and windows (windows.py) ->
 batches of jobs (scheduler.py) -> log-mel -> encoder -> decoder (engine.py) -> the
-judge's verdict on each window (judge.py) -> segments -> one Transcript per input,
-handed to a callback as soon as the scheduler says its last window is final. Windows
-of one file and of several files share batches; only a batch of windows is held in
-memory at a time.
+judge's verdict on each window (judge.py) -> segments, handed to a callback as soon as
+the scheduler says they and everything before them are final -> one Transcript per
+input, handed to a callback as soon as its last window is final. Windows of one file
+and of several files share batches; only a batch of windows is held in memory at a time.
 
 A window the judge sends back (text too repetitive, average log-prob too low, or
 stopped by the repetition guard) is queued again at the next temperature and decoded in
@@ -30,9 +30,9 @@ from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.features import batch_log_mel
 from whisper_cli.judge import Judgement, judge
 from whisper_cli.loading import LoadedModel
-from whisper_cli.options import Policy, TranscribeOptions
+from whisper_cli.options import Policy, TranscribeOptions, run_latency
 from whisper_cli.results import Segment, Transcript
-from whisper_cli.scheduler import Counters, Failed, Finished, Job, Scheduler, Track
+from whisper_cli.scheduler import Counters, Failed, Finished, Job, Scheduler, Settled, Track
 from whisper_cli.segments import attach_words
 from whisper_cli.speech import FRAME_SECONDS, load_detector
 from whisper_cli.timing import Aligner, AlignRow
@@ -58,7 +58,13 @@ class _Result:
     """What one input's windows have given so far."""
 
     language: LanguageGuess | None = None
-    segments: list[Segment] = field(default_factory=list)
+    settled: list[Segment] = field(default_factory=list)  # of its settled windows, in order
+    pending: dict[int, tuple[Segment, ...]] = field(default_factory=dict)  # window -> its own
+
+    def segments(self) -> list[Segment]:
+        """Every segment of its final windows so far."""
+        return self.settled + [s for segs in self.pending.values() for s in segs]
+
     # Text the guards or limits cut, reported as the transcript's notes (see _notes).
     hit_max_tokens: int = 0  # windows that used all of max_new_tokens without ending
     looped: int = 0  # windows that looped at every temperature (cut by the guard)
@@ -157,9 +163,12 @@ class Transcriber:
         on_error: Callable[[InputError], None],
         on_progress: Callable[[Progress], None] | None = None,
         stdin=None,
+        on_segments: Callable[[str, tuple[Segment, ...]], None] | None = None,
     ) -> None:
         """Transcribe every path; each result or per-input error is reported as it happens.
 
+        on_segments(path, segments): an input's next segments, in order, as soon as they
+        and all before them are final (they are also in its Transcript, given after them).
         An input may also be an AudioSource already opened (and so validated) by the caller.
         """
         sources: list[AudioSource] = []
@@ -175,19 +184,32 @@ class Transcriber:
         total = sum(s.info.duration or 0.0 for s in sources)
         started = time.perf_counter()
         self._results = [_Result() for _ in sources]
+        latency = run_latency(self.options.latency, any(s.live for s in sources))
         scheduler = Scheduler(
             sources,
-            lambda i: WindowCutter(self.detector, self.policy, vad=self.options.vad, source=i),
+            lambda i: WindowCutter(
+                self.detector,
+                self.policy,
+                vad=self.options.vad,
+                source=i,
+                latency=latency,
+                waited=sources[i].waited,
+            ),
             self.options.batch_size,
             len(self.policy.temperatures),
             self.counters,
             rows=lambda: self.rows,
+            latency=latency,
         )
 
         def report() -> None:
             for event in scheduler.events():
                 if isinstance(event, Failed):
                     on_error(event.error)
+                elif isinstance(event, Settled):
+                    segments = self._settle(event)
+                    if on_segments and segments:
+                        on_segments(event.track.path, segments)
                 elif isinstance(event, Finished):
                     on_result(self._finish(event.track))
 
@@ -323,7 +345,7 @@ class Transcriber:
         where it finishes (its encoder output is the same there)."""
         if self.aligner is None:
             for _, job, verdict in final:
-                self._results[job.window.source].segments.extend(verdict.segments)
+                self._results[job.window.source].pending[job.window.index] = verdict.segments
             return
         text = [AlignRow((), len(j.window.audio), j.language) for j in batch]
         for r, job, verdict in final:
@@ -335,14 +357,13 @@ class Transcriber:
         self.engine.sync_if_timed()
         self.counters.align_s += time.perf_counter() - started
         for r, job, verdict in final:
-            done = self._results[job.window.source].segments
+            result = self._results[job.window.source]
             # openai-whisper's last_speech: where the input's speech before this window ends
             # (windows that fell back finish later than the ones after them).
-            before = [s.end for s in done if s.end <= job.window.start]
+            before = [s.end for s in result.segments() if s.end <= job.window.start]
             last_speech = max(before, default=0.0)
-            done.extend(
-                attach_words(list(verdict.segments), aligned[r], job.window.start, last_speech)
-            )
+            words = attach_words(list(verdict.segments), aligned[r], job.window.start, last_speech)
+            result.pending[job.window.index] = tuple(words)
 
     def _seed(self, job: Job) -> int:
         """A window's sampling seed: from the policy's seed, where the window lies in its
@@ -406,9 +427,18 @@ class Transcriber:
         best = int(pooled.argmax())
         return LanguageGuess(codes[best], float(pooled[best]))
 
+    def _settle(self, event: Settled) -> tuple[Segment, ...]:
+        """The segments of the windows just settled, in window order, moved to settled."""
+        result = self._results[event.track.index]
+        new = [s for w in range(event.first, event.stop) for s in result.pending.pop(w, ())]
+        result.settled.extend(new)
+        return tuple(new)
+
     def _finish(self, track: Track) -> Transcript:
         result = self._results[track.index]
-        segments = tuple(sorted(result.segments, key=lambda s: s.start))
+        # Windows are in time order, and so are a window's segments: settled order is
+        # time order, and a streamed output is a prefix of the whole one.
+        segments = tuple(result.settled)
         text = "".join(s.text for s in segments).strip()
         language = result.language.code if result.language else None
         if not self.loaded.tokenizer.is_multilingual:

@@ -7,9 +7,16 @@ with its retries' later temperatures (decoded ahead; the same text as one attemp
 time, since every attempt is seeded by its window and temperature, not its batch).
 
 It knows nothing of decoding: after each batch the caller says which of its jobs must
-be decoded again (`settle`), and the scheduler turns that into explicit events: an input
-is `Finished` when its last window has been cut and every window of it is final, or
-`Failed` when its audio cannot be read. Events are drained with `events()`.
+be decoded again (`settle`), and the scheduler turns that into explicit events: an
+input's windows are `Settled` as soon as they and every window before them are final
+(their text can be written: nothing before it can change), the input is `Finished` when
+its last window has been cut and every window of it is final, or `Failed` when its audio
+cannot be read. Events are drained with `events()`.
+
+Under a latency bound (live input) a batch is decoded as soon as its oldest window's
+first speech was read `latency` seconds ago, full or not; the inputs are then read in
+small blocks, and the cutter hands control back after each one, so that a window does
+not wait on audio that has not arrived.
 """
 
 from __future__ import annotations
@@ -26,6 +33,11 @@ from whisper_cli.decoding import DecodedRow
 from whisper_cli.errors import InputError
 from whisper_cli.features import SAMPLE_RATE
 from whisper_cli.windows import Window, WindowCutter
+
+# Under a latency bound, inputs are read in blocks this long: the bound is checked as
+# each arrives (a live pipe delivers audio in real time).
+LIVE_BLOCK_SECONDS = 0.5
+_END = object()  # _windows: no window is left
 
 
 @dataclass
@@ -69,10 +81,21 @@ class Track:
     cut_done: bool = False  # its last window has been cut
     failed: bool = False  # its audio could not be read (its windows' text is not used)
     started: float = 0.0  # perf_counter when its first audio was read
+    settled: int = 0  # windows 0..settled-1 are final
+    final: set[int] = field(default_factory=set)  # final windows after those
 
     @property
     def path(self) -> str:
         return self.source.info.path
+
+
+@dataclass(frozen=True)
+class Settled:
+    """Windows first..stop-1 of an input are final, and so is every window before them."""
+
+    track: Track
+    first: int
+    stop: int
 
 
 @dataclass(frozen=True)
@@ -97,10 +120,15 @@ class Scheduler:
         temperatures: int,
         counters: Counters,
         rows: Callable[[], int] | None = None,
+        latency: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """cutter(i): a fresh cutter for input i; temperatures: attempts per window;
         rows(): the rows a decode takes at once now (below batch_size after an
-        out-of-memory), which bounds the attempts decoded ahead."""
+        out-of-memory), which bounds the attempts decoded ahead; latency: the bound (see
+        the module doc), its windows' `ready` times read on `clock`."""
+        self.latency = latency
+        self.clock = clock
         self.tracks = [Track(i, s) for i, s in enumerate(sources)]
         self.cutter = cutter
         self.batch_size = batch_size
@@ -108,9 +136,10 @@ class Scheduler:
         self.temperatures = temperatures
         self.counters = counters
         self.retries: deque[Job] = deque()
-        self._events: list[Finished | Failed] = []
+        self._events: list[Settled | Finished | Failed] = []
+        self._reading: WindowCutter | None = None  # the cutter of the input being read
 
-    def events(self) -> list[Finished | Failed]:
+    def events(self) -> list[Settled | Finished | Failed]:
         """The events since the last call, in the order they happened."""
         events, self._events = self._events, []
         return events
@@ -124,11 +153,11 @@ class Scheduler:
             batch: list[Job] = []
             while self.retries and len(batch) < self.batch_size:
                 batch.append(self.retries.popleft())
-            while not exhausted and len(batch) < self.batch_size:
-                window = next(windows, None)
-                if window is None:
+            while not exhausted and len(batch) < self.batch_size and not self._due(batch):
+                window = next(windows)
+                if window is _END:
                     exhausted = True
-                else:
+                elif window is not None:  # None: a block arrived, with no window yet
                     batch.append(Job(window))
             if not batch:
                 return
@@ -146,6 +175,13 @@ class Scheduler:
             track = self.tracks[job.window.source]
             track.pending -= 1
             track.done_to = max(track.done_to, job.window.end)
+            track.final.add(job.window.index)
+            first = track.settled
+            while track.settled in track.final:
+                track.final.remove(track.settled)
+                track.settled += 1
+            if track.settled > first and not track.failed:
+                self._events.append(Settled(track, first, track.settled))
             self._finish_if_done(track)
 
     def audio_done(self) -> float:
@@ -158,35 +194,43 @@ class Scheduler:
         if track.cut_done and track.pending == 0 and not track.failed:
             self._events.append(Finished(track))
 
-    def _windows(self) -> Iterator[Window]:
+    def _due(self, batch: list[Job]) -> bool:
+        """Under a latency bound: the batch's oldest window has waited long enough, and
+        more would mean waiting for audio that has not arrived."""
+        if self.latency is None or (self._reading is not None and not self._reading.starving):
+            return False
+        ready = [j.window.ready for j in batch if j.window.ready is not None]
+        return bool(ready) and self.clock() - min(ready) >= self.latency
+
+    def _windows(self) -> Iterator[Window | object | None]:
+        """Each input's windows in turn, then _END; None where a live block gave none."""
+        live = self.latency is not None
         for track in self.tracks:
             track.started = time.perf_counter()  # its wall time counts from its first window
-            cutter = self.cutter(track.index)
+            cutter = self._reading = self.cutter(track.index)
             try:
-                windows = cutter.cut(track.source.blocks())
-                window = next(windows, None)
-                while window is not None:
-                    # One window of look-ahead: an input is known to be cut through when its
-                    # last window is handed out, so it finishes as soon as that is decoded.
-                    following = next(windows, None)
-                    track.pending += 1
-                    track.windows += 1
+                blocks = track.source.blocks(LIVE_BLOCK_SECONDS) if live else track.source.blocks()
+                for window in cutter.cut(blocks, ticks=live):
                     track.duration = cutter.samples / SAMPLE_RATE
-                    track.cut_done = following is None
-                    self.counters.windows += 1
+                    if window is not None:
+                        track.pending += 1
+                        track.windows += 1
+                        self.counters.windows += 1
                     yield window
-                    window = following
                 track.duration = cutter.samples / SAMPLE_RATE
                 if cutter.samples == 0:
                     raise InputError(track.path, "contains no audio")
             except InputError as exc:
-                track.cut_done = track.failed = True
+                track.failed = True
                 self._events.append(Failed(track, exc))
             finally:
                 self.counters.detector_s += cutter.stream.seconds
-            if track.windows == 0 and not track.failed:
                 track.cut_done = True
-                self._finish_if_done(track)  # no speech at all: finished at once
+            # Every window cut may be final already (or there was none: no speech at all).
+            self._finish_if_done(track)
+        self._reading = None
+        while True:
+            yield _END
 
     def _ahead(self, batch: list[Job], spare: int) -> list[Job]:
         """Up to `spare` later attempts of the batch's retries, their next temperature

@@ -19,11 +19,20 @@ speech-like frame in the same way.
 
 Only the pieces of the window being filled and the stretch being read are held, so
 memory stays bounded whatever the input's length.
+
+With a latency bound (live input), the window being filled is also cut once its first
+speech was read `latency` seconds ago (wall time) and the input has made the reader wait
+(the audio after it has not arrived: waiting for it is what the bound limits), at a
+place the map allows: before a stretch still being spoken, or after one that has gone
+quiet for the tail's length. An utterance that runs on past the bound is cut at its
+first such pause, or at 30 s as above; never inside a word. Input that arrives faster
+than it is read (a file, a recording piped in whole) is cut as without a bound.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +52,8 @@ class Window:
     first_sample: int  # where it starts in the input
     audio: np.ndarray  # float32 mono 16 kHz, at most 30 s
     speech: np.ndarray  # (ceil(len(audio) / 512),) bool: the speech frames of `audio`
+    # time.monotonic() when its first speech was read, under a latency bound (else None)
+    ready: float | None = None
 
     @property
     def start(self) -> float:
@@ -81,8 +92,18 @@ class WindowCutter:
         vad: bool = True,
         source: int = 0,
         max_seconds: float = WINDOW_SECONDS,
+        latency: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        waited: Callable[[], bool] = lambda: True,
     ) -> None:
+        """latency: cut the window being filled this long after its first speech was
+        read, where the map allows, when waited() says the input made its reader wait
+        since it was last asked (see the module doc); None: only by length."""
         self.policy = policy
+        self.latency = latency
+        self.clock = clock
+        self.waited = waited
+        self.starving = False  # reading the latest block waited for the input
         self.vad = vad
         self.source = source
         self.stream = SpeechStream(detector)
@@ -107,7 +128,9 @@ class WindowCutter:
     def speech_map(self) -> np.ndarray:
         return self.stream.map()
 
-    def cut(self, blocks: Iterable[np.ndarray]) -> Iterator[Window]:
+    def cut(self, blocks: Iterable[np.ndarray], ticks: bool = False) -> Iterator[Window | None]:
+        """The input's windows, in order; ticks: also None after each block that gave none
+        (a caller waiting on a live input gets control back as each block arrives)."""
         self._audio: list[np.ndarray] = []  # audio from sample self._audio_start on
         self._audio_start = 0
         self._frame = 0  # frames decided so far
@@ -119,12 +142,18 @@ class WindowCutter:
         self._pieces: list[tuple[int, int]] = []  # frames of the window being filled
         self._emitted_to = 0  # frames up to which earlier windows took pieces
         self._index = 0
+        self._ready: float | None = None  # clock() at the first speech of the open window
         for block in blocks:
             block = np.asarray(block, dtype=np.float32)
             if block.ndim != 1:
                 raise ValueError(f"audio blocks must be 1-D, got shape {block.shape}")
             self._audio.append(block)
+            self.starving = self.waited()
+            emitted = self._index
             yield from self._decide(self.stream.push(block))
+            yield from self._cut_if_due()
+            if ticks and self._index == emitted:
+                yield None
         yield from self._decide(self.stream.finish())
         yield from self._close_run()
         yield from self._emit()
@@ -145,6 +174,8 @@ class WindowCutter:
                 if self._run is not None and i - self._run[1] >= self.min_silence:
                     yield from self._close_run()
                 if self._run is None:
+                    if self._ready is None and self.latency is not None:
+                        self._ready = self.clock()
                     self._run = (i, i + 1)
                     self._piece_from = max(i - self.lead, self._last_piece_end())
                 else:
@@ -154,6 +185,18 @@ class WindowCutter:
             if self._run is not None and self._too_long(self._frame):
                 yield from self._split()
         self._drop_unneeded_audio()
+
+    def _cut_if_due(self) -> Iterator[Window]:
+        """Under a latency bound, the window being filled once it is due (module doc)."""
+        if self._ready is None or self.clock() - self._ready < self.latency:
+            return
+        if not self.starving:
+            return  # the audio after it is here already: the window goes on as usual
+        if self._run is not None and self._frame - self._run[1] >= max(self.tail, 1):
+            yield from self._close_run()  # quiet for the tail: the stretch ends here
+        yield from self._emit()  # the pieces before a stretch still being spoken
+        if not self._pieces and self._run is None:
+            self._ready = None  # what was due was a click: nothing waits now
 
     def _last_piece_end(self) -> int:
         return self._pieces[-1][1] if self._pieces else self._emitted_to
@@ -234,7 +277,10 @@ class WindowCutter:
         speech = np.array(self._speech_frames(start, end), dtype=bool)
         self._emitted_to = end
         self._pieces = []
-        yield Window(self.source, self._index, start * FRAME_SAMPLES, audio, speech)
+        ready = self._ready
+        # The stretch still open (if any) opens the next window: it is due as early.
+        self._ready = ready if self._run is not None else None
+        yield Window(self.source, self._index, start * FRAME_SAMPLES, audio, speech, ready)
         self._index += 1
 
     # -- the audio buffer --------------------------------------------------------------------

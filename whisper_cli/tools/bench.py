@@ -373,6 +373,10 @@ class ArraySource:
         self.n_samples = n_samples
         self.info = AudioInfo(path, n_samples / SAMPLE_RATE, SAMPLE_RATE, 1)
         self.backend = "array"
+        self.live = False
+
+    def waited(self) -> bool:
+        return False
 
     def blocks(self, block_seconds: float = 30.0) -> Iterator[np.ndarray]:
         return tiled_blocks(self.clip, self.n_samples, round(block_seconds * SAMPLE_RATE))
