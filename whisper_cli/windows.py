@@ -151,7 +151,6 @@ class WindowCutter:
             self.starving = self.waited()
             emitted = self._index
             yield from self._decide(self.stream.push(block))
-            yield from self._cut_if_due()
             if ticks and self._index == emitted:
                 yield None
         yield from self._decide(self.stream.finish())
@@ -184,11 +183,13 @@ class WindowCutter:
                 yield from self._close_run()
             if self._run is not None and self._too_long(self._frame):
                 yield from self._split()
+            if self._ready is not None:
+                yield from self._cut_if_due()
         self._drop_unneeded_audio()
 
     def _cut_if_due(self) -> Iterator[Window]:
         """Under a latency bound, the window being filled once it is due (module doc)."""
-        if self._ready is None or self.clock() - self._ready < self.latency:
+        if self.clock() - self._ready < self.latency:
             return
         if not self.starving:
             return  # the audio after it is here already: the window goes on as usual
