@@ -499,3 +499,74 @@ def test_chosen_kernels_keep_a_real_bf16_model_as_exact_as_the_reference(monkeyp
 
     assert err(forced) <= 1.1 * err(plain)
     assert agree(forced) >= agree(plain) - 1 / f32.shape[0]  # at most one token apart
+
+
+# --- int8 linear layers ------------------------------------------------------------------
+
+
+def int8_layer(n=80, k=96, seed=9):
+    from whisper_cli.dtypes import int8_weight
+
+    g = torch.Generator().manual_seed(seed)
+    weight, scale = int8_weight(torch.randn(n, k, generator=g) * 0.05)
+    return weight, scale, torch.randn(n, generator=g) * 0.1
+
+
+def test_int8_weight_is_per_channel_symmetric_with_bf16_scales():
+    from whisper_cli.dtypes import int8_weight
+
+    g = torch.Generator().manual_seed(10)
+    w = torch.randn(64, 48, generator=g) * torch.logspace(-3, 1, 64)[:, None]
+    w[5] = 0.0
+    q, scale = int8_weight(w.half())
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (64,)
+    assert q.abs().max() <= 127 and q[5].abs().max() == 0 and scale[5] == 1
+    assert torch.equal(scale, scale.bfloat16().float())  # each a bfloat16 value
+    # Within half a step, or one step where the row's extreme clamped at 127.
+    assert ((q.float() * scale[:, None] - w.half().float()).abs() <= scale[:, None]).all()
+    assert (q.abs().amax(dim=1)[torch.arange(64) != 5] >= 126).all()  # the range is used
+
+
+@pytest.mark.parametrize("lead", [(16, 1), (2, 300)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_each_int8_linear_matches_float64(dtype, lead):
+    """Against x (q * s)^T + b in float64: weight-only kernels as close as the dtype's own
+    rounding allows, kernels that quantize activations per row within a few percent, also
+    where rows differ in range by 1000x (one scale per call would lose the small rows)."""
+    weight, scale, bias = int8_layer()
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(*lead, 96, generator=g) * torch.logspace(-2, 1, lead[-1])[:, None]
+    x = x.to(dtype)
+    b = bias.to(dtype)
+    ref = F.linear(x.double(), weight.double() * scale.double()[:, None], b.double())
+    for name in kernels.int8_candidates(dtype):
+        for bb in (b, None):
+            out = kernels.INT8_LINEAR[name](x, weight, scale, bb)
+            assert out.dtype == dtype and out.shape == (*lead, 80), name
+        out = kernels.INT8_LINEAR[name](x, weight, scale, b)
+        # Row by row: a small row's error is its own, not the large rows'.
+        err = ((out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+        bound = {"dequant": 1e-6, "weight-only": 0.01}.get(name, 0.05)
+        if dtype == torch.bfloat16:
+            bound = max(bound, 0.01)
+        assert err <= bound, (name, err)
+
+
+def test_int8_choices_are_timed_and_saved_and_the_reference_runs_while_compiling(
+    tmp_path, monkeypatch
+):
+    weight, scale, bias = int8_layer()
+    x = torch.randn(5, 1, 96).bfloat16()
+    out = kernels.int8_linear(x, weight, scale, bias.bfloat16())
+    assert out.dtype == torch.bfloat16 and out.shape == (5, 1, 80)
+    saved = entries(tmp_path / "kernels.json")
+    (key, entry), *more = saved.items()
+    assert not more and key.endswith("int8-linear/bf16/M8xN80xK96")
+    assert set(entry["ms"]) == set(kernels.int8_candidates(torch.bfloat16))
+    monkeypatch.setattr(kernels, "_fastest", no_timing)
+    kernels.int8_linear(torch.randn(7, 96).bfloat16(), weight, scale)  # same bucket
+    compiled = torch.compile(kernels.int8_linear, backend="eager", fullgraph=True)
+    x32 = torch.randn(3, 96)
+    want = kernels.INT8_LINEAR["dequant"](x32, weight, scale, bias)
+    torch.testing.assert_close(compiled(x32, weight, scale, bias), want)
+    assert len(kernels.choices()) == 1

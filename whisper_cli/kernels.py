@@ -49,6 +49,7 @@ import os
 import platform
 import tempfile
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -320,6 +321,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return LINEAR[_selector().linear_choice(x, weight)](x, weight, bias)
 
 
+def int8_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (weight * scale)^T + bias for an int8 weight, by the fastest implementation here
+    (the dequantizing reference while torch.compile traces)."""
+    if torch.compiler.is_compiling():
+        return _int8_dequant(x, weight, scale, bias)
+    choice = _selector().int8_choice(x, weight)
+    return INT8_LINEAR[choice](x, weight, scale, bias)
+
+
 def conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int, padding: int) -> Tensor:
     """F.conv1d(x, weight, bias, stride, padding) by the fastest implementation here."""
     if x.dtype == torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling():
@@ -332,6 +342,158 @@ def logits_candidates(dtype: torch.dtype) -> tuple[str, ...]:
     """Implementations timed for the projection: all of them, "packed" where oneDNN
     packs this dtype on this CPU."""
     return tuple(n for n in LOGITS if n != "packed" or packable(dtype))
+
+
+# --- int8 linear layers (`--quantize int8`) -------------------------------------------
+# x (..., K) in the run dtype, weight (N, K) int8 and scale (N,) float32 per output channel
+# (dtypes.int8_weight), bias (N,) in the run dtype or None -> (..., N) in x's dtype.
+# `prepared`: the implementation's own form of the weight, made by the caller (timing
+# makes its own, so that the run keeps none it did not choose); else made once per weight.
+
+
+def _int8_dequant(x, weight, scale, bias, prepared=None):
+    """The reference, weight-only: W = weight * scale in float32 (exact: an int8 times a
+    bfloat16 value), x W^T + b in float32 and the result rounded once to x's dtype. The
+    float32 W lives for one call; the activations are not quantized."""
+    w = weight.float() * scale[:, None]
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), w, b).to(x.dtype)
+
+
+def _fbgemm_prepare(weight: Tensor, scale: Tensor, bias: Tensor | None):
+    """fbgemm's packed int8 weight: its per-channel quantized tensor made from the int8
+    values and scales as they are. The bias is added outside (see _int8_fbgemm)."""
+    zeros = torch.zeros(weight.shape[0], dtype=torch.long, device=weight.device)
+    engine = torch.backends.quantized.engine
+    with warnings.catch_warnings():  # the quantized-tensor front end warns of its future
+        warnings.simplefilter("ignore")
+        q = torch._make_per_channel_quantized_tensor(weight, scale.double(), zeros, 0)
+        try:
+            torch.backends.quantized.engine = "fbgemm"
+            return torch.ops.quantized.linear_prepack(q, None)
+        finally:
+            torch.backends.quantized.engine = engine
+
+
+def _unit_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x's rows (M, K) in float32, each divided by its max |x|, and those maxima (M, 1)
+    (1 for an all-zero row): a kernel that quantizes a whole call with one scale then
+    quantizes every row over its own range. Whisper's rows differ in range (a few carry
+    outliers): one scale for all of them costs the others most of their bits."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    amax = rows.abs().amax(dim=-1, keepdim=True)
+    amax = torch.where(amax > 0, amax, 1.0)
+    return (rows / amax).contiguous(), amax
+
+
+def _rescale(out: Tensor, amax: Tensor, bias: Tensor | None, x: Tensor, n: int) -> Tensor:
+    """The rows' maxima multiplied back and the bias added, in float32, rounded once."""
+    out = out.mul_(amax) if bias is None else torch.addcmul(bias.float(), out, amax)
+    return out.view(*x.shape[:-1], n).to(x.dtype)
+
+
+def _int8_fbgemm(x, weight, scale, bias, prepared=None):
+    """fbgemm's dynamic int8 linear with activations quantized per row (_unit_rows): fbgemm
+    quantizes the unit rows to 7-bit unsigned (reduce_range: AVX2's u8 x s8 pair sums
+    saturate int16 at 8 bits) and runs an int8 GEMM accumulating in int32."""
+    if prepared is None:
+        prepared = _derived(weight, "fbgemm", lambda: _fbgemm_prepare(weight, scale, None))
+    rows, amax = _unit_rows(x)
+    out = torch.ops.quantized.linear_dynamic(rows, prepared, True)
+    return _rescale(out, amax, bias, x, weight.shape[0])
+
+
+# oneDNN's activation quantization of unit rows: x = (q - zero) * scale, q in [1, 127] (7
+# bits, as fbgemm's reduce_range: without VNNI, u8 x s8 pair sums saturate at 8 bits).
+_ONEDNN_X_SCALE = 1 / 63
+_ONEDNN_X_ZERO = 64
+
+
+def _onednn_prepare(weight: Tensor, scale: Tensor, bias: Tensor | None):
+    zeros = torch.zeros(weight.shape[0], dtype=torch.long, device=weight.device)
+    return torch.ops.onednn.qlinear_prepack(weight, None), scale.float(), zeros
+
+
+def _int8_onednn(x, weight, scale, bias, prepared=None):
+    """oneDNN's int8 linear (the kernel inductor and torchao call on x86) with activations
+    quantized per row (_unit_rows) to 7 bits with a fixed scale and zero point, an int8
+    GEMM, the weight's scales applied by oneDNN in float32."""
+    if prepared is None:
+        prepared = _derived(weight, "onednn", lambda: _onednn_prepare(weight, scale, None))
+    packed, w_scale, w_zero = prepared
+    rows, amax = _unit_rows(x)
+    q = rows.mul_(1 / _ONEDNN_X_SCALE).round_().add_(_ONEDNN_X_ZERO).to(torch.uint8)
+    out = torch.ops.onednn.qlinear_pointwise(
+        q, _ONEDNN_X_SCALE, _ONEDNN_X_ZERO, packed, w_scale, w_zero,
+        None, 1.0, 0, torch.float32, "none", [], "",
+    )  # fmt: skip
+    return _rescale(out, amax, bias, x, weight.shape[0])
+
+
+def _int8_weight_only(x, weight, scale, bias, prepared=None):
+    """torch's weight-only int8 GEMM (`_weight_int8pack_mm`) over bfloat16 rows: the int8
+    values and scales (bfloat16 values, see dtypes.int8_weight) taken as they are, float32
+    accumulation, the product rounded to bfloat16, the bias added in float32 and the result
+    rounded to x's dtype. An f32 run's rows and products are rounded to bfloat16 inside:
+    8 bits of mantissa per element, finer than any int8 quantization of a row."""
+    if prepared is None:
+        prepared = _derived(weight, "weight-only", lambda: scale.to(torch.bfloat16))
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    out = torch._weight_int8pack_mm(rows, weight, prepared).float()
+    if bias is not None:
+        out += bias.float()
+    return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+
+
+INT8_LINEAR: dict[str, Callable] = {
+    "dequant": _int8_dequant,
+    "fbgemm": _int8_fbgemm,
+    "onednn": _int8_onednn,
+    "weight-only": _int8_weight_only,
+}
+_INT8_PREPARE: dict[str, Callable] = {
+    "fbgemm": _fbgemm_prepare,
+    "onednn": _onednn_prepare,
+    "weight-only": lambda weight, scale, bias: scale.to(torch.bfloat16),
+}
+
+
+def _has_op(namespace: str, name: str) -> bool:
+    try:
+        getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def int8_candidates(dtype: torch.dtype) -> tuple[str, ...]:
+    """Implementations timed for an int8 linear layer with `dtype` activations: the
+    reference; fbgemm and oneDNN where this torch has them; the weight-only kernel for
+    float32 and bfloat16 rows (float16 ones would need the scales in float16)."""
+    names = ["dequant"]
+    if "fbgemm" in torch.backends.quantized.supported_engines:
+        names.append("fbgemm")
+    if torch.backends.mkldnn.is_available() and _has_op("onednn", "qlinear_pointwise"):
+        names.append("onednn")
+    if dtype in (torch.float32, torch.bfloat16):
+        names.append("weight-only")
+    return tuple(names)
+
+
+# Forms of a weight made once and dropped with it: (id(weight), kind) -> (a weak reference
+# to it, its version, the form).
+_DERIVED: dict[tuple[int, str], tuple[weakref.ref, int, object]] = {}
+
+
+def _derived(weight: Tensor, kind: str, make: Callable[[], object]):
+    """`make()`'s form of `weight`, made once per weight and version, dropped with it."""
+    key = (id(weight), kind)
+    entry = _DERIVED.get(key)
+    if entry is None or entry[0]() is not weight or entry[1] != _version(weight):
+        form = make()
+        ref = weakref.ref(weight, lambda _: _DERIVED.pop(key, None))
+        entry = _DERIVED[key] = (ref, _version(weight), form)
+    return entry[2]
 
 
 # --- the public entry points ----------------------------------------------------------
@@ -521,6 +683,19 @@ class _Selector:
             self.memo[key] = choice
         return choice
 
+    def int8_choice(self, x, weight) -> str:
+        n, k = weight.shape
+        m = x.numel() // k
+        key = ("int8", x.dtype, m, n, k, torch.get_num_threads())
+        choice = self.memo.get(key)
+        if choice is None:
+            rows = min(_pow2(m), ENCODER_ROWS)  # as linear_choice
+            name = f"int8-linear/{dtype_name(x.dtype)}/M{rows}xN{n}xK{k}"
+            cands = int8_candidates(x.dtype)
+            choice = self._choose(name, cands, lambda: _int8_runs(cands, rows, x.dtype, weight))
+            self.memo[key] = choice
+        return choice
+
     def conv1d_choice(self, x, weight, stride: int, padding: int) -> str:
         c_out, c_in, width = weight.shape
         length = x.shape[-1]
@@ -622,6 +797,21 @@ def _linear_runs(cands, m: int, weight: Tensor) -> dict[str, Callable[[], object
     g = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device, generator=g)
     return {n: (lambda f=LINEAR[n]: f(x, weight, None)) for n in cands}
+
+
+def _int8_runs(cands, m: int, dtype: torch.dtype, weight: Tensor):
+    """Calls of each candidate on the real int8 weight, unit scales, no bias, and random
+    rows in `dtype`; each prepares its own form of the weight, freed with the timing."""
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(m, weight.shape[1], dtype=dtype, device=weight.device, generator=g)
+    scale = torch.full((weight.shape[0],), 1 / 127, device=weight.device)
+
+    def run(name: str) -> Callable[[], object]:
+        prepare = _INT8_PREPARE.get(name)
+        prepared = None if prepare is None else prepare(weight, scale, None)
+        return lambda: INT8_LINEAR[name](x, weight, scale, None, prepared)
+
+    return {n: run(n) for n in cands}
 
 
 def _conv1d_runs(cands, length: int, weight: Tensor, stride: int, padding: int):
