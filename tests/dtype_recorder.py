@@ -115,7 +115,10 @@ def exceptions_marked(rec: DtypeRecorder) -> Iterator[DtypeRecorder]:
         # The CPU kernels' float32 tiles and the timing that chooses them.
         (kernels, "_attend_f32", inside),
         (kernels, "time_candidates", inside),
-        (kernels, "_int8_runs", inside),  # the forms of the int8 weight that timing makes
+        # The synthetic inputs and the own copies (f32, packed) of a weight timing makes.
+        *((kernels, runs, inside) for runs in ("_linear_runs", "_conv1d_runs", "_logits_runs")),
+        (kernels, "_int8_runs", inside),
+        (kernels, "packable", inside),  # its probe: oneDNN packs a small f32 matrix or not
         (engine, "encoder_input", encoder_door),
         # The listed exceptions, wrapped where they are used.
         (pipeline, "batch_log_mel", exception),
@@ -133,6 +136,7 @@ def exceptions_marked(rec: DtypeRecorder) -> Iterator[DtypeRecorder]:
             stack.enter_context(mock.patch.object(owner, name, wrap(getattr(owner, name))))
         for table, name in (
             (kernels.LOGITS, "f32-blocks"),
+            (kernels.LOGITS, "f32-packed"),
             (kernels.LINEAR, "f32-upcast"),
             (kernels.CONV1D, "f32-upcast"),
             # --quantize int8: every kernel computes in float32 or int8 inside.

@@ -256,6 +256,22 @@ def _packed(weight: Tensor) -> Tensor:
     return entry[2]
 
 
+# Forms of a weight made once and dropped with it: (id(weight), kind) -> (a weak reference
+# to it, its version, the form).
+_DERIVED: dict[tuple[int, str], tuple[weakref.ref, int, object]] = {}
+
+
+def _derived(weight: Tensor, kind: str, make: Callable[[], object]):
+    """`make()`'s form of `weight`, made once per weight and version, dropped with it."""
+    key = (id(weight), kind)
+    entry = _DERIVED.get(key)
+    if entry is None or entry[0]() is not weight or entry[1] != _version(weight):
+        form = make()
+        ref = weakref.ref(weight, lambda _: _DERIVED.pop(key, None))
+        entry = _DERIVED[key] = (ref, _version(weight), form)
+    return entry[2]
+
+
 def _logits_packed(hidden, weight, packed: Tensor | None = None):
     """oneDNN's linear over a copy of the weight packed once in its blocked layout, so no
     call repacks the (V, C) matrix, as BLAS does for every call (Zen 3 f32, V 51864,
@@ -268,12 +284,29 @@ def _logits_packed(hidden, weight, packed: Tensor | None = None):
     return out.view(*hidden.shape[:-1], weight.shape[0])
 
 
+def _logits_f32_packed(hidden, weight, packed: Tensor | None = None):
+    """ "packed" over a float32 copy of an f16/bf16 weight (exactly its values), packed once
+    and kept with the weight: f32 GEMM speed on CPUs where oneDNN packs no half weights, no
+    weight converted per call, and the result rounded once to the hidden states' dtype.
+    Costs an f32 copy of the embedding once chosen. `packed`: as in _logits_packed."""
+    if packed is None:
+        packed = _derived(weight, "f32-packed", lambda: _reorder_f32(weight))
+    rows = hidden.reshape(-1, hidden.shape[-1]).float()  # (M, C)
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+    return out.view(*hidden.shape[:-1], weight.shape[0]).to(hidden.dtype)
+
+
+def _reorder_f32(weight: Tensor) -> Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.float())
+
+
 LOGITS: dict[str, Logits] = {
     "matmul": lambda hidden, weight: hidden @ weight.T,  # the reference
     "linear": F.linear,  # the same GEMM through addmm's path; differs by CPU and M
     "weight-first": _logits_weight_first,
     "f32-blocks": _logits_f32_blocks,
     "packed": _logits_packed,
+    "f32-packed": _logits_f32_packed,
 }
 
 
@@ -281,24 +314,32 @@ LOGITS: dict[str, Logits] = {
 # Every nn.Linear and nn.Conv1d of the model (model.Linear, model.Conv1d) calls these.
 
 
-def _linear_f32(x, weight, bias):
+def _f32_copies(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Float32 copies of a half weight and its bias (exactly their values), made once per
+    weight where an f32-upcast implementation runs, and kept with the weight."""
+    return _derived(weight, "f32", lambda: (weight.float(), None if bias is None else bias.float()))
+
+
+def _linear_f32(x, weight, bias, f32: tuple[Tensor, Tensor | None] | None = None):
     """x W^T + b in float32 from f16/bf16 inputs, the result rounded once: what a half GEMM
     accumulating in f32 computes (products of bf16 or f16 values are exact in f32), at f32
     GEMM speed on CPUs without native half GEMMs (Zen 3, AVX2 only, bf16 encoder fc1 of
-    tiny at M 3000: 290 ms through torch's bf16 path). The f32 copies live for one call."""
-    b = None if bias is None else bias.float()
-    return F.linear(x.float(), weight.float(), b).to(x.dtype)
+    tiny at M 3000: 290 ms through torch's bf16 path). The weight and bias in float32 are
+    the kept copies (_f32_copies), so no call converts them; `f32`: copies of the caller's
+    (timing makes its own, so that the run keeps none it did not choose)."""
+    w, b = _f32_copies(weight, bias) if f32 is None else f32
+    return F.linear(x.float(), w, b).to(x.dtype)
 
 
 LINEAR: dict[str, Callable] = {"linear": F.linear, "f32-upcast": _linear_f32}
 
 
-def _conv1d_f32(x, weight, bias, stride, padding):
-    """The convolution in float32 from f16/bf16 inputs, rounded once (see _linear_f32):
-    torch's bf16 convolution on AVX2 is its slow reference loop (tiny's encoder conv2,
-    two windows: 1.16 s)."""
-    b = None if bias is None else bias.float()
-    return F.conv1d(x.float(), weight.float(), b, stride, padding).to(x.dtype)
+def _conv1d_f32(x, weight, bias, stride, padding, f32=None):
+    """The convolution in float32 from f16/bf16 inputs and the kept float32 copies of its
+    weight and bias, rounded once (see _linear_f32): torch's bf16 convolution on AVX2 is its
+    slow reference loop (tiny's encoder conv2, two windows: 1.16 s)."""
+    w, b = _f32_copies(weight, bias) if f32 is None else f32
+    return F.conv1d(x.float(), w, b, stride, padding).to(x.dtype)
 
 
 CONV1D: dict[str, Callable] = {
@@ -340,8 +381,10 @@ def conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int, padding:
 
 def logits_candidates(dtype: torch.dtype) -> tuple[str, ...]:
     """Implementations timed for the projection: all of them, "packed" where oneDNN
-    packs this dtype on this CPU."""
-    return tuple(n for n in LOGITS if n != "packed" or packable(dtype))
+    packs this dtype on this CPU, "f32-packed" for f16/bf16 where it packs float32."""
+    offered = {"packed": packable(dtype)}
+    offered["f32-packed"] = dtype != torch.float32 and packable(torch.float32)
+    return tuple(n for n in LOGITS if offered.get(n, True))
 
 
 # --- int8 linear layers (`--quantize int8`) -------------------------------------------
@@ -478,22 +521,6 @@ def int8_candidates(dtype: torch.dtype) -> tuple[str, ...]:
     if dtype in (torch.float32, torch.bfloat16):
         names.append("weight-only")
     return tuple(names)
-
-
-# Forms of a weight made once and dropped with it: (id(weight), kind) -> (a weak reference
-# to it, its version, the form).
-_DERIVED: dict[tuple[int, str], tuple[weakref.ref, int, object]] = {}
-
-
-def _derived(weight: Tensor, kind: str, make: Callable[[], object]):
-    """`make()`'s form of `weight`, made once per weight and version, dropped with it."""
-    key = (id(weight), kind)
-    entry = _DERIVED.get(key)
-    if entry is None or entry[0]() is not weight or entry[1] != _version(weight):
-        form = make()
-        ref = weakref.ref(weight, lambda _: _DERIVED.pop(key, None))
-        entry = _DERIVED[key] = (ref, _version(weight), form)
-    return entry[2]
 
 
 # --- the public entry points ----------------------------------------------------------
@@ -724,7 +751,12 @@ class _Selector:
             return forced[0] if forced else cands[0]
         key = f"{_machine()}|threads={torch.get_num_threads()}|{name}"
         entry = self.entries.get(key)
-        if not isinstance(entry, dict) or entry.get("choice") not in cands:
+        # Timed again when a candidate joined (or left) since: the choice was among others.
+        if (
+            not isinstance(entry, dict)
+            or entry.get("choice") not in cands
+            or _timed(entry) != set(cands)
+        ):
             choice, times = _fastest(runs())
             entry = {"choice": choice, "ms": {n: round(ms, 3) for n, ms in times.items()}}
             self.entries[key] = entry
@@ -748,6 +780,11 @@ class _Selector:
             log.debug("kernel choices not saved to %s: %s", self.path, exc)
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
+
+
+def _timed(entry: dict) -> set[str]:
+    ms = entry.get("ms")
+    return set(ms) if isinstance(ms, dict) else set()
 
 
 def _read(path: Path) -> dict[str, dict]:
@@ -788,6 +825,9 @@ def _logits_runs(cands, m: int, weight: Tensor) -> dict[str, Callable[[], object
     if "packed" in runs:  # a copy of its own, freed with the timing
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         runs["packed"] = lambda: _logits_packed(hidden, weight, packed)
+    if "f32-packed" in runs:  # the same
+        f32_packed = _reorder_f32(weight)
+        runs["f32-packed"] = lambda: _logits_f32_packed(hidden, weight, f32_packed)
     return runs
 
 
@@ -796,7 +836,11 @@ def _linear_runs(cands, m: int, weight: Tensor) -> dict[str, Callable[[], object
     random rows of its input."""
     g = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device, generator=g)
-    return {n: (lambda f=LINEAR[n]: f(x, weight, None)) for n in cands}
+    runs = {n: (lambda f=LINEAR[n]: f(x, weight, None)) for n in cands}
+    if "f32-upcast" in runs:  # copies of its own, freed with the timing
+        f32 = (weight.float(), None)
+        runs["f32-upcast"] = lambda: LINEAR["f32-upcast"](x, weight, None, f32)
+    return runs
 
 
 def _int8_runs(cands, m: int, dtype: torch.dtype, weight: Tensor):
@@ -818,7 +862,11 @@ def _conv1d_runs(cands, length: int, weight: Tensor, stride: int, padding: int):
     g = torch.Generator(device=weight.device).manual_seed(0)
     shape = (1, weight.shape[1], length)
     x = torch.randn(shape, dtype=weight.dtype, device=weight.device, generator=g)
-    return {n: (lambda f=CONV1D[n]: f(x, weight, None, stride, padding)) for n in cands}
+    runs = {n: (lambda f=CONV1D[n]: f(x, weight, None, stride, padding)) for n in cands}
+    if "f32-upcast" in runs:  # copies of its own, freed with the timing
+        f32 = (weight.float(), None)
+        runs["f32-upcast"] = lambda: CONV1D["f32-upcast"](x, weight, None, stride, padding, f32)
+    return runs
 
 
 _MACHINE: str | None = None
