@@ -87,6 +87,8 @@ def test_every_linear_layer_is_int8_and_the_rest_keeps_the_dtype():
     assert isinstance(proj, Int8Linear) and proj.bias is None
     embedding = model.decoder.embed_tokens.weight
     assert proj.weight.shape == embedding.shape and embedding.dtype == torch.bfloat16
+    tensors = [*model.parameters(), *model.buffers()]
+    assert not any(t.is_meta for t in tensors)  # every placeholder of a cast was replaced
     for layer in layers:
         assert layer.weight.dtype == torch.int8 and layer.weight_scale.dtype == torch.float32
         assert layer.bias is None or layer.bias.dtype == torch.bfloat16

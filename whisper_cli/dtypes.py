@@ -38,6 +38,7 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 # `--quantize`: none, or the linear layers' weights held as int8 (CPU kernels only).
 QUANTIZE_CHOICES = ("none", "int8")
+INT8_BLOCK_ROWS = 4096  # rows of a weight quantized at a time (see int8_weight)
 
 # The only places a float32 tensor may exist in a non-f32 run. Each is a small
 # side computation whose result never flows back into weights, caches or activations.
@@ -227,11 +228,18 @@ def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Each scale is a bfloat16 value (the row's max |w| / 127, rounded to bfloat16; the row's
     extreme clamps to 127 where rounding went down), so that q * s is exact in float32 and
     the same scales serve kernels that take them in bfloat16. An all-zero row has scale 1.
+    Rows are quantized INT8_BLOCK_ROWS at a time: the float32 temporaries of a vocabulary-
+    sized weight would otherwise outweigh the int8 result several times over, at load.
     """
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127, 1.0).to(torch.bfloat16).float()
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    n = weight.shape[0]
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(n, dtype=torch.float32, device=weight.device)
+    for r0 in range(0, n, INT8_BLOCK_ROWS):
+        w = weight[r0 : r0 + INT8_BLOCK_ROWS].detach().float()
+        amax = w.abs().amax(dim=1)
+        s = torch.where(amax > 0, amax / 127, 1.0).to(torch.bfloat16).float()
+        q[r0 : r0 + len(w)] = torch.round(w.div_(s[:, None])).clamp_(-127, 127)
+        scale[r0 : r0 + len(w)] = s
     return q, scale
 
 

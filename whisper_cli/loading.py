@@ -182,12 +182,21 @@ def load_weights(model: Whisper, state: dict[str, torch.Tensor], policy: DtypePo
                 f"shape mismatch for {key}: checkpoint {tuple(state[key].shape)}, "
                 f"config.json implies {tuple(param.shape)}"
             )
-    model.load_state_dict(
-        {k: cast_weight(v, policy) for k, v in state.items()}, strict=True, assign=True
-    )
-    if policy.quantize == "int8":  # from the checkpoint's tensors, not their cast copies
-        from whisper_cli.quantize import quantize_linears
+    int8: set[str] = set()
+    if policy.quantize == "int8":
+        from whisper_cli.quantize import int8_keys, quantize_linears
 
+        int8 = int8_keys(model)
+    # A weight to be quantized is never cast: it enters as int8 only (a placeholder without
+    # memory holds its place until its layer is swapped).
+    cast = {
+        k: torch.empty(v.shape, dtype=policy.dtype, device="meta")
+        if k in int8
+        else cast_weight(v, policy)
+        for k, v in state.items()
+    }
+    model.load_state_dict(cast, strict=True, assign=True)
+    if int8:  # from the checkpoint's tensors
         quantize_linears(model, state, policy)
 
 

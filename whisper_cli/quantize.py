@@ -50,11 +50,19 @@ def int8_linear(source: torch.Tensor, bias: torch.Tensor | None, policy: DtypePo
     return Int8Linear(q.to(policy.device), scale.to(policy.device), bias)
 
 
+def _linears(model: Whisper) -> list[tuple[str, Linear]]:
+    return [(name, module) for name, module in model.named_modules() if type(module) is Linear]
+
+
+def int8_keys(model: Whisper) -> set[str]:
+    """The checkpoint keys (as the model names them) of the weights that become int8."""
+    return {f"{name}.weight" for name, _ in _linears(model)}
+
+
 def quantize_linears(model: Whisper, state: dict[str, torch.Tensor], policy: DtypePolicy) -> None:
     """Swap every Linear of `model` for an Int8Linear of its checkpoint weight in `state`
     (keys as the model names them), and give the decoder its int8 output projection."""
-    swaps = [(name, module) for name, module in model.named_modules() if type(module) is Linear]
-    for name, module in swaps:
+    for name, module in _linears(model):
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, attr, int8_linear(state[f"{name}.weight"], module.bias, policy))
