@@ -53,7 +53,7 @@ def cached_cli_models(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRe
     """CLI runs in this test get the session's f32 CPU models for models/tiny.en and base.
 
     Only the weights are reused: the CLI still resolves the name, builds its own
-    Transcriber and renders its own output. Any other model or dtype loads for real.
+    Transcriber and renders its own output. Any other model, dtype or quantization loads for real.
     """
     import whisper_cli.loading as loading
 
@@ -62,7 +62,8 @@ def cached_cli_models(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRe
 
     def load_model(name: str, policy):
         path = Path(name).expanduser()
-        if path.is_dir() and policy.name == "f32" and policy.device.type == "cpu":
+        plain_f32 = policy.name == "f32" and policy.quantize == "none"
+        if path.is_dir() and plain_f32 and policy.device.type == "cpu":
             for model, fixture in fixtures.items():
                 if path.resolve() == real_model(model).resolve():
                     cached = request.getfixturevalue(fixture)

@@ -5,7 +5,9 @@ A TorchDispatchMode sees the output of every op. Only the exceptions listed in
 whisper_cli.dtypes.F32_EXCEPTIONS may produce float32 in a bf16/f16 run: the audio front
 end (log_mel), the speech detector (whose output is NumPy) and probabilities computed
 from the logits (f32_log_softmax, f32_logsumexp, f32_logprobs, the sampling draw,
-the word-timing weights) and whatever is computed from those.
+the word-timing weights) and whatever is computed from those. Under `--quantize int8` the
+int8 weights and their float32 scales (whisper_cli.dtypes.INT8_EXCEPTIONS) are the only
+tensors of the model not in the run dtype; the int8 kernels compute inside.
 """
 
 from __future__ import annotations
@@ -113,6 +115,10 @@ def exceptions_marked(rec: DtypeRecorder) -> Iterator[DtypeRecorder]:
         # The CPU kernels' float32 tiles and the timing that chooses them.
         (kernels, "_attend_f32", inside),
         (kernels, "time_candidates", inside),
+        # The synthetic inputs and the own copies (f32, packed) of a weight timing makes.
+        *((kernels, runs, inside) for runs in ("_linear_runs", "_conv1d_runs", "_logits_runs")),
+        (kernels, "_int8_runs", inside),
+        (kernels, "packable", inside),  # its probe: oneDNN packs a small f32 matrix or not
         (engine, "encoder_input", encoder_door),
         # The listed exceptions, wrapped where they are used.
         (pipeline, "batch_log_mel", exception),
@@ -130,8 +136,11 @@ def exceptions_marked(rec: DtypeRecorder) -> Iterator[DtypeRecorder]:
             stack.enter_context(mock.patch.object(owner, name, wrap(getattr(owner, name))))
         for table, name in (
             (kernels.LOGITS, "f32-blocks"),
+            (kernels.LOGITS, "f32-packed"),
             (kernels.LINEAR, "f32-upcast"),
             (kernels.CONV1D, "f32-upcast"),
+            # --quantize int8: every kernel computes in float32 or int8 inside.
+            *((kernels.INT8_LINEAR, name) for name in kernels.INT8_LINEAR),
         ):
             stack.enter_context(mock.patch.dict(table, {name: inside(table[name])}))
         yield rec

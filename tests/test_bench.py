@@ -161,6 +161,18 @@ def test_render_table_and_json_of_a_report() -> None:
     assert report_to_json(report, include_text=True)["results"][0]["text"] == "a long text"
 
 
+def test_the_quantization_is_reported() -> None:
+    config = BenchConfig(model="tiny.en", dtypes=("f32",), quantize="int8", device="cpu")
+    report = BenchReport(config, "speech", 600.0, (_fake_result(quantize="int8"),))
+    data = json.loads(json.dumps(report_to_json(report)))
+    assert data["config"]["quantize"] == "int8" and data["results"][0]["quantize"] == "int8"
+    assert "| tiny.en | f32 int8 |" in render_table(report)
+    assert bench._child_spec(config, "f32", Path("c.npy"), 1, Path("r.json"))["quantize"] == "int8"
+    assert _fake_result().quantize == "none"
+    with pytest.raises(WhisperCliError, match="invalid quantize 'int4'"):
+        bench.validate(BenchConfig(quantize="int4", device="cpu"))
+
+
 def test_a_failing_configuration_is_reported_not_raised(tmp_path: Path) -> None:
     audio = tmp_path / "noise.npy"
     np.save(audio, np.zeros(SAMPLE_RATE, np.float32))

@@ -36,19 +36,30 @@ def test_exceptions_are_listed():
     }
 
 
+def test_int8_exceptions_are_listed():
+    assert set(dtypes.INT8_EXCEPTIONS) == {"int8 weights", "int8 scales"}
+
+
 @pytest.mark.parametrize(
-    ("name", "clip_seconds", "max_new_tokens", "word_timestamps"),
+    ("name", "clip_seconds", "max_new_tokens", "word_timestamps", "quantize"),
     # f16 is slow on this CPU; the bf16 and f16 runs time their words too.
-    [("f32", None, 224, False), ("bf16", None, 224, True), ("f16", 5.0, 16, True)],
+    [
+        ("f32", None, 224, False, "none"),
+        ("bf16", None, 224, True, "none"),
+        ("f16", 5.0, 16, True, "none"),
+        ("f32", None, 224, False, "int8"),
+        ("bf16", None, 224, True, "int8"),
+    ],
 )
 def test_every_tensor_of_a_run_has_the_chosen_dtype(
-    recorder, name, clip_seconds, max_new_tokens, word_timestamps, tmp_path
+    recorder, name, clip_seconds, max_new_tokens, word_timestamps, quantize, tmp_path
 ):
     import soundfile as sf
 
     from whisper_cli.audio import load_audio
+    from whisper_cli.quantize import Int8Linear
 
-    policy = dtypes.resolve_policy(name, "cpu")
+    policy = dtypes.resolve_policy(name, "cpu", quantize)
     loaded = load_model(str(real_model("tiny.en")), policy)
     audio = load_audio(shared_clip("jfk.flac"))
     if clip_seconds:
@@ -64,9 +75,19 @@ def test_every_tensor_of_a_run_has_the_chosen_dtype(
     with recorder:
         result = transcriber.transcribe(str(path))
 
-    # Parameters, buffers and every KV cache (self and cross attention).
+    # Parameters, buffers and every KV cache (self and cross attention); with int8 weights,
+    # each Int8Linear's weight (int8) and weight_scale (float32) are the listed exceptions.
     model = loaded.model
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    int8 = {
+        f"{path}.{attr}": dtype
+        for path, module in model.named_modules()
+        if isinstance(module, Int8Linear)
+        for attr, dtype in (("weight", torch.int8), ("weight_scale", torch.float32))
+    }
+    assert bool(int8) == (quantize == "int8")
+    for key, dtype in int8.items():
+        assert tensors.pop(key).dtype == dtype, key
     assert {t.dtype for t in tensors.values()} == {policy.dtype}
     assert caches  # every decode's caches: self and cross attention, every layer
     kv = [t for c in caches for t in c.tensors()]
@@ -76,7 +97,9 @@ def test_every_tensor_of_a_run_has_the_chosen_dtype(
     assert not recorder.violations, dict(recorder.violations)
     ops = {op for op, _ in recorder.seen}
     # The run really went through the model: convolutions, attention, matmuls, norms.
-    for op in ("conv1d", "layer_norm", "linear", "index_copy_"):
+    # With int8 weights, the linear layers are the int8 kernels, whose results are recorded.
+    linear = "linear" if quantize == "none" else "kernels._int8_"
+    for op in ("conv1d", "layer_norm", linear, "index_copy_"):
         assert any(op in o for o in ops), (op, sorted(ops))
     # Attention by whichever kernel was chosen: SDPA, or the f32 tiles of matmul/blocked.
     assert any("scaled_dot_product" in o or "_attend_f32" in o for o in ops), sorted(ops)

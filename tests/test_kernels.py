@@ -499,3 +499,152 @@ def test_chosen_kernels_keep_a_real_bf16_model_as_exact_as_the_reference(monkeyp
 
     assert err(forced) <= 1.1 * err(plain)
     assert agree(forced) >= agree(plain) - 1 / f32.shape[0]  # at most one token apart
+
+
+# --- int8 linear layers ------------------------------------------------------------------
+
+
+def int8_layer(n=80, k=96, seed=9):
+    from whisper_cli.dtypes import int8_weight
+
+    g = torch.Generator().manual_seed(seed)
+    weight, scale = int8_weight(torch.randn(n, k, generator=g) * 0.05)
+    return weight, scale, torch.randn(n, generator=g) * 0.1
+
+
+def test_int8_weight_is_per_channel_symmetric_with_bf16_scales():
+    from whisper_cli.dtypes import int8_weight
+
+    g = torch.Generator().manual_seed(10)
+    w = torch.randn(64, 48, generator=g) * torch.logspace(-3, 1, 64)[:, None]
+    w[5] = 0.0
+    q, scale = int8_weight(w.half())
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (64,)
+    assert q.abs().max() <= 127 and q[5].abs().max() == 0 and scale[5] == 1
+    assert torch.equal(scale, scale.bfloat16().float())  # each a bfloat16 value
+    # Within half a step, or one step where the row's extreme clamped at 127.
+    assert ((q.float() * scale[:, None] - w.half().float()).abs() <= scale[:, None]).all()
+    assert (q.abs().amax(dim=1)[torch.arange(64) != 5] >= 126).all()  # the range is used
+
+
+@pytest.mark.parametrize("lead", [(16, 1), (2, 300)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_each_int8_linear_matches_float64(dtype, lead):
+    """Against x (q * s)^T + b in float64: weight-only kernels as close as the dtype's own
+    rounding allows, kernels that quantize activations per row within a few percent, also
+    where rows differ in range by 1000x (one scale per call would lose the small rows)."""
+    weight, scale, bias = int8_layer()
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(*lead, 96, generator=g) * torch.logspace(-2, 1, lead[-1])[:, None]
+    x = x.to(dtype)
+    b = bias.to(dtype)
+    ref = F.linear(x.double(), weight.double() * scale.double()[:, None], b.double())
+    for name in kernels.int8_candidates(dtype):
+        for bb in (b, None):
+            out = kernels.INT8_LINEAR[name](x, weight, scale, bb)
+            assert out.dtype == dtype and out.shape == (*lead, 80), name
+        out = kernels.INT8_LINEAR[name](x, weight, scale, b)
+        # Row by row: a small row's error is its own, not the large rows'.
+        err = ((out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+        bound = {"dequant": 1e-6, "weight-only": 0.01}.get(name, 0.05)
+        if dtype == torch.bfloat16:
+            bound = max(bound, 0.01)
+        assert err <= bound, (name, err)
+
+
+def test_int8_choices_are_timed_and_saved_and_the_reference_runs_while_compiling(
+    tmp_path, monkeypatch
+):
+    weight, scale, bias = int8_layer()
+    x = torch.randn(5, 1, 96).bfloat16()
+    out = kernels.int8_linear(x, weight, scale, bias.bfloat16())
+    assert out.dtype == torch.bfloat16 and out.shape == (5, 1, 80)
+    saved = entries(tmp_path / "kernels.json")
+    (key, entry), *more = saved.items()
+    assert not more and key.endswith("int8-linear/bf16/M8xN80xK96")
+    assert set(entry["ms"]) == set(kernels.int8_candidates(torch.bfloat16))
+    monkeypatch.setattr(kernels, "_fastest", no_timing)
+    kernels.int8_linear(torch.randn(7, 96).bfloat16(), weight, scale)  # same bucket
+    compiled = torch.compile(kernels.int8_linear, backend="eager", fullgraph=True)
+    x32 = torch.randn(3, 96)
+    want = kernels.INT8_LINEAR["dequant"](x32, weight, scale, bias)
+    torch.testing.assert_close(compiled(x32, weight, scale, bias), want)
+    assert len(kernels.choices()) == 1
+
+
+# --- f32 copies of half weights ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_f32_upcast_keeps_one_copy_per_weight_and_equals_the_per_call_upcast(dtype):
+    """The kept float32 copies are the half values exactly: bit for bit the per-call
+    conversion's results. One copy per weight, made at the first call, dropped with it; a
+    timing run leaves none."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 7, 96, generator=g).to(dtype)
+    weight, bias = torch.randn(80, 96, generator=g).to(dtype), torch.randn(80).to(dtype)
+    per_call = F.linear(x.float(), weight.float(), bias.float()).to(dtype)
+    assert torch.equal(kernels.LINEAR["f32-upcast"](x, weight, bias), per_call)
+    copy = kernels._DERIVED[(id(weight), "f32")][2][0]
+    assert torch.equal(kernels.LINEAR["f32-upcast"](x, weight, bias), per_call)
+    assert kernels._DERIVED[(id(weight), "f32")][2][0] is copy and copy.dtype == torch.float32
+    mel, conv = torch.randn(1, 8, 40, generator=g).to(dtype), torch.randn(16, 8, 3).to(dtype)
+    want = F.conv1d(mel.float(), conv.float(), None, 2, 1).to(dtype)
+    assert torch.equal(kernels.CONV1D["f32-upcast"](mel, conv, None, 2, 1), want)
+    key = id(weight)
+    del weight, copy
+    assert (key, "f32") not in kernels._DERIVED
+    other = torch.randn(48, 32).to(dtype)
+    for run in kernels._linear_runs(("linear", "f32-upcast"), 8, other).values():
+        run()
+    for run in kernels._conv1d_runs(("conv", "f32-upcast"), 64, conv, 2, 1).values():
+        run()
+    assert (id(other), "f32") not in kernels._DERIVED and (id(conv), "f32") in kernels._DERIVED
+
+
+def test_a_choice_among_other_candidates_is_timed_again(tmp_path):
+    """A cached choice timed before a candidate joined is timed again, among all."""
+    hidden, weight = torch.randn(4, 1, 32).bfloat16(), torch.randn(300, 32).bfloat16()
+    kernels.logits(hidden, weight)
+    path = tmp_path / "kernels.json"
+    saved = entries(path)
+    key = next(iter(saved))
+    saved[key] = {"choice": "matmul", "ms": {"matmul": 1.0}}
+    path.write_text(json.dumps({"version": kernels.CACHE_VERSION, "entries": saved}))
+    kernels.reset()
+    kernels.logits(hidden, weight)
+    assert set(entries(path)[key]["ms"]) == set(kernels.logits_candidates(torch.bfloat16))
+
+
+@pytest.mark.slow
+def test_kept_f32_copies_give_a_real_bf16_model_the_per_call_upcast_logits(monkeypatch):
+    """tiny.en in bf16 with the upcast kernels forced, teacher-forced over JFK: the same
+    logits, bit for bit, with the kept copies as with a conversion on every call."""
+    from util import real_model, shared_clip
+
+    from whisper_cli.audio import load_audio
+    from whisper_cli.dtypes import encoder_input, resolve_policy
+    from whisper_cli.features import batch_log_mel
+    from whisper_cli.loading import load_model
+
+    monkeypatch.setenv("WHISPER_CLI_KERNELS", "f32-upcast,blocked,f32-blocks")
+    kernels.reset()
+    loaded = load_model(str(real_model("tiny.en")), resolve_policy("bf16", "cpu"))
+    model, tok = loaded.model, loaded.tokenizer
+    audio = load_audio(shared_clip("jfk.flac"))
+    text = " And so my fellow Americans, ask not what your country can do for you,"
+    tokens = torch.tensor([tok.prompt("en", "transcribe", False) + tok.encode_text(text)])
+    t = tokens.shape[1]
+
+    def logits() -> torch.Tensor:
+        with torch.inference_mode():
+            mel = batch_log_mel([audio], 1, loaded.config.num_mel_bins, torch.device("cpu"))
+            features = model.encoder(encoder_input(mel, model.dtype))
+            caches = model.decoder.new_caches(features, t)
+            return model.decoder(tokens, torch.arange(t), caches, t)
+
+    kept = logits()
+    assert any(kind == "f32" for _, kind in kernels._DERIVED)
+    per_call = lambda weight, bias: (weight.float(), None if bias is None else bias.float())  # noqa: E731
+    monkeypatch.setattr(kernels, "_f32_copies", per_call)
+    assert torch.equal(logits(), kept)

@@ -163,6 +163,15 @@ DtypeOpt = Annotated[
         rich_help_panel=PANEL_MODEL,
     ),
 ]
+QuantizeOpt = Annotated[
+    str,
+    typer.Option(
+        metavar="Q",
+        help="none, or int8: the linear layers' weights as int8 (CPU only); "
+        "activations stay in --dtype.",
+        rich_help_panel=PANEL_MODEL,
+    ),
+]
 DeviceOpt = Annotated[
     str,
     typer.Option(metavar="DEV", help="auto, cpu, cuda or cuda:N.", rich_help_panel=PANEL_MODEL),
@@ -513,6 +522,7 @@ def transcribe(
     channel: ChannelOpt = None,
     model: ModelOpt = None,
     dtype: DtypeOpt = Dtype.auto,
+    quantize: QuantizeOpt = "none",
     device: DeviceOpt = "auto",
     language: LanguageOpt = None,
     multilingual: MultilingualOpt = False,
@@ -618,7 +628,7 @@ def _run(a, term: _Terminal, plan, expanded, files, skipped, started: float) -> 
     from whisper_cli.dtypes import resolve_policy
     from whisper_cli.errors import InputError
 
-    policy = resolve_policy(a["dtype"].value, a["device"])
+    policy = resolve_policy(a["dtype"].value, a["device"], a["quantize"])
     options = transcribe_options(a, policy.device.type)
     failures = 0
 
@@ -1051,6 +1061,7 @@ def eval_command(
     dtype: Annotated[
         str, typer.Option(help="auto, f32, f16, bf16, or all (f32, f16 and bf16).")
     ] = "f32",
+    quantize: QuantizeOpt = "none",
     device: DeviceOpt = "auto",
     batch_size: Annotated[int, typer.Option(min=1)] = 16,
     vad: Annotated[bool, typer.Option(help="The speech map on (default) or off.")] = True,
@@ -1071,6 +1082,7 @@ def eval_command(
                 device=device,
                 batch_size=batch_size,
                 vad=vad,
+                quantize=quantize,
             )
     except WhisperCliError as exc:
         raise _fail(exc, debug) from None
@@ -1082,6 +1094,7 @@ def bench(
     model: ModelOpt = None,
     batch_size: Annotated[int, typer.Option(min=1)] = 16,
     dtype: Annotated[str, typer.Option(help="auto, f32, f16, bf16, or all.")] = "auto",
+    quantize: QuantizeOpt = "none",
     audio: Annotated[
         str | None, typer.Option(help="Audio file or .npy; default: the bundled real speech.")
     ] = None,
@@ -1111,6 +1124,7 @@ def bench(
     config = BenchConfig(
         model=model,
         dtypes=tuple(dtype.split(",")),
+        quantize=quantize,
         batch_size=batch_size,
         audio=audio,
         duration=duration,

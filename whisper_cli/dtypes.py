@@ -8,6 +8,8 @@ Every cast in the library goes through a function of this module, so the places
 where a tensor changes dtype can be read in one screen:
 
 * `cast_weight`   - checkpoint tensors (f16/f32/bf16 on disk) to the run dtype, once at load.
+* `int8_weight`   - `--quantize int8`: a linear layer's weight (already in the run dtype) to
+                    int8 with per-output-channel scales, once at load (see INT8_EXCEPTIONS).
 * `ieee_float32`  - f32 on CUDA computes in float32, not TensorFloat-32 (set at load).
 * `encoder_input` - the log-mel, computed in float32 (see F32_EXCEPTIONS), enters the
                     encoder in the run dtype.
@@ -34,6 +36,9 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
 }
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
+# `--quantize`: none, or the linear layers' weights held as int8 (CPU kernels only).
+QUANTIZE_CHOICES = ("none", "int8")
+INT8_BLOCK_ROWS = 4096  # rows of a weight quantized at a time (see int8_weight)
 
 # The only places a float32 tensor may exist in a non-f32 run. Each is a small
 # side computation whose result never flows back into weights, caches or activations.
@@ -55,9 +60,12 @@ F32_EXCEPTIONS: dict[str, str] = {
         "kernels.py's matmul/blocked attention computes q k^T, the softmax and the product "
         "with v in float32 tiles for f16/bf16 inputs (as SDPA's CPU kernel accumulates in "
         "float32: half-precision scores have 7x its error); its f32-blocks vocabulary "
-        "projection upcasts weight blocks into one float32 buffer; its f32-upcast linear "
-        "layers and convolutions take float32 copies of f16/bf16 inputs and weights for one "
-        "call (a half GEMM accumulating in float32, on CPUs with no native one). All round "
+        "projection upcasts weight blocks into one float32 buffer, its f32-packed one keeps a "
+        "float32 copy of the f16/bf16 embedding (exactly its values) packed by oneDNN; its "
+        "f32-upcast linear layers and convolutions keep float32 copies of their f16/bf16 "
+        "weights and biases (exactly their values, made once where chosen) and take float32 "
+        "copies of their inputs for one call (a half GEMM accumulating in float32, on CPUs "
+        "with no native one). None of these copies is a parameter of the model. All round "
         "their result once to the run dtype. The timing that chooses them runs on synthetic "
         "tensors."
     ),
@@ -76,12 +84,31 @@ F32_EXCEPTIONS: dict[str, str] = {
 }
 
 
+# `--quantize int8`: the only non-floating weights, in any run dtype. Everything else (the
+# embeddings, norms, biases, activations, caches, logits, outputs) keeps the run dtype.
+INT8_EXCEPTIONS: dict[str, str] = {
+    "int8 weights": (
+        "the weight of every linear layer of the encoder and decoder, and the tied output "
+        "projection (a copy of the token embedding, which itself stays in the run dtype for "
+        "the lookup), held as int8 (quantize.Int8Linear.weight), symmetric, per output channel."
+    ),
+    "int8 scales": (
+        "their per-output-channel scales (quantize.Int8Linear.weight_scale) in float32, each a "
+        "bfloat16 value, so that every int8 kernel (kernels.INT8_LINEAR) in every run dtype "
+        "sees the same weights; kernels multiply by them inside, and round their result once "
+        "to the run dtype."
+    ),
+}
+
+
 @dataclass(frozen=True)
 class DtypePolicy:
-    """The resolved dtype of a run and the device it runs on."""
+    """The resolved dtype of a run, the device it runs on, and whether the linear layers'
+    weights are int8 (`quantize`: one of QUANTIZE_CHOICES)."""
 
     dtype: torch.dtype
     device: torch.device
+    quantize: str = "none"
 
     @property
     def name(self) -> str:
@@ -113,8 +140,11 @@ def expand_dtypes(value: str | Iterable[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def resolve_policy(name: str, device: str | torch.device | None = None) -> DtypePolicy:
-    """Resolve a `--dtype` choice for a device, refusing what the device cannot run.
+def resolve_policy(
+    name: str, device: str | torch.device | None = None, quantize: str = "none"
+) -> DtypePolicy:
+    """Resolve a `--dtype` (and `--quantize`) choice for a device, refusing what the device
+    cannot run.
 
     auto: bf16 on a CUDA device that supports it, f16 on an older CUDA device,
     f32 on CPU. An explicit choice is never silently switched.
@@ -122,12 +152,13 @@ def resolve_policy(name: str, device: str | torch.device | None = None) -> Dtype
     dev = resolve_device(device)
     if name not in DTYPE_CHOICES:
         raise WhisperCliError(f"invalid dtype {name!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    check_quantize(quantize, dev)
     if name == "auto":
         if dev.type == "cuda":
             dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         else:
             dtype = torch.float32
-        return DtypePolicy(dtype, dev)
+        return DtypePolicy(dtype, dev, quantize)
     dtype = DTYPE_NAMES[name]
     if dev.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         gpu = torch.cuda.get_device_name(dev)
@@ -137,7 +168,20 @@ def resolve_policy(name: str, device: str | torch.device | None = None) -> Dtype
         )
     if dev.type == "cpu" and dtype == torch.float16:
         warn_f16_on_cpu()
-    return DtypePolicy(dtype, dev)
+    return DtypePolicy(dtype, dev, quantize)
+
+
+def check_quantize(quantize: str, device: torch.device) -> None:
+    """A `--quantize` choice the device can run: int8 has CPU kernels only."""
+    if quantize not in QUANTIZE_CHOICES:
+        raise WhisperCliError(
+            f"invalid quantize {quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}"
+        )
+    if quantize == "int8" and device.type != "cpu":
+        raise WhisperCliError(
+            f"--quantize int8 runs on the CPU only (its kernels are CPU kernels), not on "
+            f"{device}; use --device cpu with it, or --quantize none on {device.type}"
+        )
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -175,6 +219,28 @@ def cast_weight(tensor: torch.Tensor, policy: DtypePolicy) -> torch.Tensor:
     if tensor.is_floating_point():
         return tensor.to(device=policy.device, dtype=policy.dtype)
     return tensor.to(device=policy.device)
+
+
+def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (N, K) weight as int8 values q and float32 scales s (N,), per output channel,
+    symmetric: weight[n] ~ q[n] * s[n], |q| <= 127 (INT8_EXCEPTIONS).
+
+    Each scale is a bfloat16 value (the row's max |w| / 127, rounded to bfloat16; the row's
+    extreme clamps to 127 where rounding went down), so that q * s is exact in float32 and
+    the same scales serve kernels that take them in bfloat16. An all-zero row has scale 1.
+    Rows are quantized INT8_BLOCK_ROWS at a time: the float32 temporaries of a vocabulary-
+    sized weight would otherwise outweigh the int8 result several times over, at load.
+    """
+    n = weight.shape[0]
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(n, dtype=torch.float32, device=weight.device)
+    for r0 in range(0, n, INT8_BLOCK_ROWS):
+        w = weight[r0 : r0 + INT8_BLOCK_ROWS].detach().float()
+        amax = w.abs().amax(dim=1)
+        s = torch.where(amax > 0, amax / 127, 1.0).to(torch.bfloat16).float()
+        q[r0 : r0 + len(w)] = torch.round(w.div_(s[:, None])).clamp_(-127, 127)
+        scale[r0 : r0 + len(w)] = s
+    return q, scale
 
 
 def ieee_float32(policy: DtypePolicy) -> None:

@@ -1,6 +1,6 @@
-"""Attention, the vocabulary projection, linear layers and convolutions, each run by the
-implementation that is fastest on this machine, chosen by measurement rather than by
-assumption.
+"""Attention, the vocabulary projection, linear layers (also with int8 weights, under
+`--quantize int8`) and convolutions, each run by the implementation that is fastest on this
+machine, chosen by measurement rather than by assumption.
 
 Why: which kernel is fastest depends on the CPU and the dtype, by factors of 2 to 60.
 Measured with torch 2.13, 2 threads (ms per call, scripts/kernel_timings.py):
@@ -49,6 +49,7 @@ import os
 import platform
 import tempfile
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -255,6 +256,22 @@ def _packed(weight: Tensor) -> Tensor:
     return entry[2]
 
 
+# Forms of a weight made once and dropped with it: (id(weight), kind) -> (a weak reference
+# to it, its version, the form).
+_DERIVED: dict[tuple[int, str], tuple[weakref.ref, int, object]] = {}
+
+
+def _derived(weight: Tensor, kind: str, make: Callable[[], object]):
+    """`make()`'s form of `weight`, made once per weight and version, dropped with it."""
+    key = (id(weight), kind)
+    entry = _DERIVED.get(key)
+    if entry is None or entry[0]() is not weight or entry[1] != _version(weight):
+        form = make()
+        ref = weakref.ref(weight, lambda _: _DERIVED.pop(key, None))
+        entry = _DERIVED[key] = (ref, _version(weight), form)
+    return entry[2]
+
+
 def _logits_packed(hidden, weight, packed: Tensor | None = None):
     """oneDNN's linear over a copy of the weight packed once in its blocked layout, so no
     call repacks the (V, C) matrix, as BLAS does for every call (Zen 3 f32, V 51864,
@@ -267,12 +284,29 @@ def _logits_packed(hidden, weight, packed: Tensor | None = None):
     return out.view(*hidden.shape[:-1], weight.shape[0])
 
 
+def _logits_f32_packed(hidden, weight, packed: Tensor | None = None):
+    """ "packed" over a float32 copy of an f16/bf16 weight (exactly its values), packed once
+    and kept with the weight: f32 GEMM speed on CPUs where oneDNN packs no half weights, no
+    weight converted per call, and the result rounded once to the hidden states' dtype.
+    Costs an f32 copy of the embedding once chosen. `packed`: as in _logits_packed."""
+    if packed is None:
+        packed = _derived(weight, "f32-packed", lambda: _reorder_f32(weight))
+    rows = hidden.reshape(-1, hidden.shape[-1]).float()  # (M, C)
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+    return out.view(*hidden.shape[:-1], weight.shape[0]).to(hidden.dtype)
+
+
+def _reorder_f32(weight: Tensor) -> Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.float())
+
+
 LOGITS: dict[str, Logits] = {
     "matmul": lambda hidden, weight: hidden @ weight.T,  # the reference
     "linear": F.linear,  # the same GEMM through addmm's path; differs by CPU and M
     "weight-first": _logits_weight_first,
     "f32-blocks": _logits_f32_blocks,
     "packed": _logits_packed,
+    "f32-packed": _logits_f32_packed,
 }
 
 
@@ -280,24 +314,32 @@ LOGITS: dict[str, Logits] = {
 # Every nn.Linear and nn.Conv1d of the model (model.Linear, model.Conv1d) calls these.
 
 
-def _linear_f32(x, weight, bias):
+def _f32_copies(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Float32 copies of a half weight and its bias (exactly their values), made once per
+    weight where an f32-upcast implementation runs, and kept with the weight."""
+    return _derived(weight, "f32", lambda: (weight.float(), None if bias is None else bias.float()))
+
+
+def _linear_f32(x, weight, bias, f32: tuple[Tensor, Tensor | None] | None = None):
     """x W^T + b in float32 from f16/bf16 inputs, the result rounded once: what a half GEMM
     accumulating in f32 computes (products of bf16 or f16 values are exact in f32), at f32
     GEMM speed on CPUs without native half GEMMs (Zen 3, AVX2 only, bf16 encoder fc1 of
-    tiny at M 3000: 290 ms through torch's bf16 path). The f32 copies live for one call."""
-    b = None if bias is None else bias.float()
-    return F.linear(x.float(), weight.float(), b).to(x.dtype)
+    tiny at M 3000: 290 ms through torch's bf16 path). The weight and bias in float32 are
+    the kept copies (_f32_copies), so no call converts them; `f32`: copies of the caller's
+    (timing makes its own, so that the run keeps none it did not choose)."""
+    w, b = _f32_copies(weight, bias) if f32 is None else f32
+    return F.linear(x.float(), w, b).to(x.dtype)
 
 
 LINEAR: dict[str, Callable] = {"linear": F.linear, "f32-upcast": _linear_f32}
 
 
-def _conv1d_f32(x, weight, bias, stride, padding):
-    """The convolution in float32 from f16/bf16 inputs, rounded once (see _linear_f32):
-    torch's bf16 convolution on AVX2 is its slow reference loop (tiny's encoder conv2,
-    two windows: 1.16 s)."""
-    b = None if bias is None else bias.float()
-    return F.conv1d(x.float(), weight.float(), b, stride, padding).to(x.dtype)
+def _conv1d_f32(x, weight, bias, stride, padding, f32=None):
+    """The convolution in float32 from f16/bf16 inputs and the kept float32 copies of its
+    weight and bias, rounded once (see _linear_f32): torch's bf16 convolution on AVX2 is its
+    slow reference loop (tiny's encoder conv2, two windows: 1.16 s)."""
+    w, b = _f32_copies(weight, bias) if f32 is None else f32
+    return F.conv1d(x.float(), w, b, stride, padding).to(x.dtype)
 
 
 CONV1D: dict[str, Callable] = {
@@ -320,6 +362,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return LINEAR[_selector().linear_choice(x, weight)](x, weight, bias)
 
 
+def int8_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (weight * scale)^T + bias for an int8 weight, by the fastest implementation here
+    (the dequantizing reference while torch.compile traces)."""
+    if torch.compiler.is_compiling():
+        return _int8_dequant(x, weight, scale, bias)
+    choice = _selector().int8_choice(x, weight)
+    return INT8_LINEAR[choice](x, weight, scale, bias)
+
+
 def conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int, padding: int) -> Tensor:
     """F.conv1d(x, weight, bias, stride, padding) by the fastest implementation here."""
     if x.dtype == torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling():
@@ -330,8 +381,146 @@ def conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int, padding:
 
 def logits_candidates(dtype: torch.dtype) -> tuple[str, ...]:
     """Implementations timed for the projection: all of them, "packed" where oneDNN
-    packs this dtype on this CPU."""
-    return tuple(n for n in LOGITS if n != "packed" or packable(dtype))
+    packs this dtype on this CPU, "f32-packed" for f16/bf16 where it packs float32."""
+    offered = {"packed": packable(dtype)}
+    offered["f32-packed"] = dtype != torch.float32 and packable(torch.float32)
+    return tuple(n for n in LOGITS if offered.get(n, True))
+
+
+# --- int8 linear layers (`--quantize int8`) -------------------------------------------
+# x (..., K) in the run dtype, weight (N, K) int8 and scale (N,) float32 per output channel
+# (dtypes.int8_weight), bias (N,) in the run dtype or None -> (..., N) in x's dtype.
+# `prepared`: the implementation's own form of the weight, made by the caller (timing
+# makes its own, so that the run keeps none it did not choose); else made once per weight.
+
+
+def _int8_dequant(x, weight, scale, bias, prepared=None):
+    """The reference, weight-only: W = weight * scale in float32 (exact: an int8 times a
+    bfloat16 value), x W^T + b in float32 and the result rounded once to x's dtype. The
+    float32 W lives for one call; the activations are not quantized."""
+    w = weight.float() * scale[:, None]
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), w, b).to(x.dtype)
+
+
+def _fbgemm_prepare(weight: Tensor, scale: Tensor, bias: Tensor | None):
+    """fbgemm's packed int8 weight: its per-channel quantized tensor made from the int8
+    values and scales as they are. The bias is added outside (see _int8_fbgemm)."""
+    zeros = torch.zeros(weight.shape[0], dtype=torch.long, device=weight.device)
+    engine = torch.backends.quantized.engine
+    with warnings.catch_warnings():  # the quantized-tensor front end warns of its future
+        warnings.simplefilter("ignore")
+        q = torch._make_per_channel_quantized_tensor(weight, scale.double(), zeros, 0)
+        try:
+            torch.backends.quantized.engine = "fbgemm"
+            return torch.ops.quantized.linear_prepack(q, None)
+        finally:
+            torch.backends.quantized.engine = engine
+
+
+def _unit_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x's rows (M, K) in float32, each divided by its max |x|, and those maxima (M, 1)
+    (1 for an all-zero row): a kernel that quantizes a whole call with one scale then
+    quantizes every row over its own range. Whisper's rows differ in range (a few carry
+    outliers): one scale for all of them costs the others most of their bits."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    amax = rows.abs().amax(dim=-1, keepdim=True)
+    amax = torch.where(amax > 0, amax, 1.0)
+    return (rows / amax).contiguous(), amax
+
+
+def _rescale(out: Tensor, amax: Tensor, bias: Tensor | None, x: Tensor, n: int) -> Tensor:
+    """The rows' maxima multiplied back and the bias added, in float32, rounded once."""
+    out = out.mul_(amax) if bias is None else torch.addcmul(bias.float(), out, amax)
+    return out.view(*x.shape[:-1], n).to(x.dtype)
+
+
+def _int8_fbgemm(x, weight, scale, bias, prepared=None):
+    """fbgemm's dynamic int8 linear with activations quantized per row (_unit_rows): fbgemm
+    quantizes the unit rows to 7-bit unsigned (reduce_range: AVX2's u8 x s8 pair sums
+    saturate int16 at 8 bits) and runs an int8 GEMM accumulating in int32."""
+    if prepared is None:
+        prepared = _derived(weight, "fbgemm", lambda: _fbgemm_prepare(weight, scale, None))
+    rows, amax = _unit_rows(x)
+    out = torch.ops.quantized.linear_dynamic(rows, prepared, True)
+    return _rescale(out, amax, bias, x, weight.shape[0])
+
+
+# oneDNN's activation quantization of unit rows: x = (q - zero) * scale, q in [1, 127] (7
+# bits, as fbgemm's reduce_range: without VNNI, u8 x s8 pair sums saturate at 8 bits).
+_ONEDNN_X_SCALE = 1 / 63
+_ONEDNN_X_ZERO = 64
+
+
+def _onednn_prepare(weight: Tensor, scale: Tensor, bias: Tensor | None):
+    zeros = torch.zeros(weight.shape[0], dtype=torch.long, device=weight.device)
+    return torch.ops.onednn.qlinear_prepack(weight, None), scale.float(), zeros
+
+
+def _int8_onednn(x, weight, scale, bias, prepared=None):
+    """oneDNN's int8 linear (the kernel inductor and torchao call on x86) with activations
+    quantized per row (_unit_rows) to 7 bits with a fixed scale and zero point, an int8
+    GEMM, the weight's scales applied by oneDNN in float32."""
+    if prepared is None:
+        prepared = _derived(weight, "onednn", lambda: _onednn_prepare(weight, scale, None))
+    packed, w_scale, w_zero = prepared
+    rows, amax = _unit_rows(x)
+    q = rows.mul_(1 / _ONEDNN_X_SCALE).round_().add_(_ONEDNN_X_ZERO).to(torch.uint8)
+    out = torch.ops.onednn.qlinear_pointwise(
+        q, _ONEDNN_X_SCALE, _ONEDNN_X_ZERO, packed, w_scale, w_zero,
+        None, 1.0, 0, torch.float32, "none", [], "",
+    )  # fmt: skip
+    return _rescale(out, amax, bias, x, weight.shape[0])
+
+
+def _int8_weight_only(x, weight, scale, bias, prepared=None):
+    """torch's weight-only int8 GEMM (`_weight_int8pack_mm`) over bfloat16 rows: the int8
+    values and scales (bfloat16 values, see dtypes.int8_weight) taken as they are, float32
+    accumulation, the product rounded to bfloat16, the bias added in float32 and the result
+    rounded to x's dtype. An f32 run's rows and products are rounded to bfloat16 inside:
+    8 bits of mantissa per element, finer than any int8 quantization of a row."""
+    if prepared is None:
+        prepared = _derived(weight, "weight-only", lambda: scale.to(torch.bfloat16))
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    out = torch._weight_int8pack_mm(rows, weight, prepared).float()
+    if bias is not None:
+        out += bias.float()
+    return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+
+
+INT8_LINEAR: dict[str, Callable] = {
+    "dequant": _int8_dequant,
+    "fbgemm": _int8_fbgemm,
+    "onednn": _int8_onednn,
+    "weight-only": _int8_weight_only,
+}
+_INT8_PREPARE: dict[str, Callable] = {
+    "fbgemm": _fbgemm_prepare,
+    "onednn": _onednn_prepare,
+    "weight-only": lambda weight, scale, bias: scale.to(torch.bfloat16),
+}
+
+
+def _has_op(namespace: str, name: str) -> bool:
+    try:
+        getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def int8_candidates(dtype: torch.dtype) -> tuple[str, ...]:
+    """Implementations timed for an int8 linear layer with `dtype` activations: the
+    reference; fbgemm and oneDNN where this torch has them; the weight-only kernel for
+    float32 and bfloat16 rows (float16 ones would need the scales in float16)."""
+    names = ["dequant"]
+    if "fbgemm" in torch.backends.quantized.supported_engines:
+        names.append("fbgemm")
+    if torch.backends.mkldnn.is_available() and _has_op("onednn", "qlinear_pointwise"):
+        names.append("onednn")
+    if dtype in (torch.float32, torch.bfloat16):
+        names.append("weight-only")
+    return tuple(names)
 
 
 # --- the public entry points ----------------------------------------------------------
@@ -521,6 +710,19 @@ class _Selector:
             self.memo[key] = choice
         return choice
 
+    def int8_choice(self, x, weight) -> str:
+        n, k = weight.shape
+        m = x.numel() // k
+        key = ("int8", x.dtype, m, n, k, torch.get_num_threads())
+        choice = self.memo.get(key)
+        if choice is None:
+            rows = min(_pow2(m), ENCODER_ROWS)  # as linear_choice
+            name = f"int8-linear/{dtype_name(x.dtype)}/M{rows}xN{n}xK{k}"
+            cands = int8_candidates(x.dtype)
+            choice = self._choose(name, cands, lambda: _int8_runs(cands, rows, x.dtype, weight))
+            self.memo[key] = choice
+        return choice
+
     def conv1d_choice(self, x, weight, stride: int, padding: int) -> str:
         c_out, c_in, width = weight.shape
         length = x.shape[-1]
@@ -549,7 +751,12 @@ class _Selector:
             return forced[0] if forced else cands[0]
         key = f"{_machine()}|threads={torch.get_num_threads()}|{name}"
         entry = self.entries.get(key)
-        if not isinstance(entry, dict) or entry.get("choice") not in cands:
+        # Timed again when a candidate joined (or left) since: the choice was among others.
+        if (
+            not isinstance(entry, dict)
+            or entry.get("choice") not in cands
+            or _timed(entry) != set(cands)
+        ):
             choice, times = _fastest(runs())
             entry = {"choice": choice, "ms": {n: round(ms, 3) for n, ms in times.items()}}
             self.entries[key] = entry
@@ -573,6 +780,11 @@ class _Selector:
             log.debug("kernel choices not saved to %s: %s", self.path, exc)
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
+
+
+def _timed(entry: dict) -> set[str]:
+    ms = entry.get("ms")
+    return set(ms) if isinstance(ms, dict) else set()
 
 
 def _read(path: Path) -> dict[str, dict]:
@@ -613,6 +825,9 @@ def _logits_runs(cands, m: int, weight: Tensor) -> dict[str, Callable[[], object
     if "packed" in runs:  # a copy of its own, freed with the timing
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         runs["packed"] = lambda: _logits_packed(hidden, weight, packed)
+    if "f32-packed" in runs:  # the same
+        f32_packed = _reorder_f32(weight)
+        runs["f32-packed"] = lambda: _logits_f32_packed(hidden, weight, f32_packed)
     return runs
 
 
@@ -621,14 +836,37 @@ def _linear_runs(cands, m: int, weight: Tensor) -> dict[str, Callable[[], object
     random rows of its input."""
     g = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device, generator=g)
-    return {n: (lambda f=LINEAR[n]: f(x, weight, None)) for n in cands}
+    runs = {n: (lambda f=LINEAR[n]: f(x, weight, None)) for n in cands}
+    if "f32-upcast" in runs:  # copies of its own, freed with the timing
+        f32 = (weight.float(), None)
+        runs["f32-upcast"] = lambda: LINEAR["f32-upcast"](x, weight, None, f32)
+    return runs
+
+
+def _int8_runs(cands, m: int, dtype: torch.dtype, weight: Tensor):
+    """Calls of each candidate on the real int8 weight, unit scales, no bias, and random
+    rows in `dtype`; each prepares its own form of the weight, freed with the timing."""
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(m, weight.shape[1], dtype=dtype, device=weight.device, generator=g)
+    scale = torch.full((weight.shape[0],), 1 / 127, device=weight.device)
+
+    def run(name: str) -> Callable[[], object]:
+        prepare = _INT8_PREPARE.get(name)
+        prepared = None if prepare is None else prepare(weight, scale, None)
+        return lambda: INT8_LINEAR[name](x, weight, scale, None, prepared)
+
+    return {n: run(n) for n in cands}
 
 
 def _conv1d_runs(cands, length: int, weight: Tensor, stride: int, padding: int):
     g = torch.Generator(device=weight.device).manual_seed(0)
     shape = (1, weight.shape[1], length)
     x = torch.randn(shape, dtype=weight.dtype, device=weight.device, generator=g)
-    return {n: (lambda f=CONV1D[n]: f(x, weight, None, stride, padding)) for n in cands}
+    runs = {n: (lambda f=CONV1D[n]: f(x, weight, None, stride, padding)) for n in cands}
+    if "f32-upcast" in runs:  # copies of its own, freed with the timing
+        f32 = (weight.float(), None)
+        runs["f32-upcast"] = lambda: CONV1D["f32-upcast"](x, weight, None, stride, padding, f32)
+    return runs
 
 
 _MACHINE: str | None = None

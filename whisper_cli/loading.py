@@ -2,7 +2,8 @@
 
 This is the one place weights enter the process: every checkpoint key must match a
 parameter of our modules by name and shape, and every floating tensor is cast to the
-run dtype here, once.
+run dtype here, once (the linear layers' weights quantized here, once, under
+`--quantize int8`).
 """
 
 from __future__ import annotations
@@ -165,7 +166,8 @@ def _normalise_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def load_weights(model: Whisper, state: dict[str, torch.Tensor], policy: DtypePolicy) -> None:
-    """Strict load: every key present, none unexpected, every shape equal; cast once."""
+    """Strict load: every key present, none unexpected, every shape equal; cast once (and,
+    with `--quantize int8`, the linear layers' weights quantized once)."""
     state = _normalise_keys(state)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
@@ -180,9 +182,22 @@ def load_weights(model: Whisper, state: dict[str, torch.Tensor], policy: DtypePo
                 f"shape mismatch for {key}: checkpoint {tuple(state[key].shape)}, "
                 f"config.json implies {tuple(param.shape)}"
             )
-    model.load_state_dict(
-        {k: cast_weight(v, policy) for k, v in state.items()}, strict=True, assign=True
-    )
+    int8: set[str] = set()
+    if policy.quantize == "int8":
+        from whisper_cli.quantize import int8_keys, quantize_linears
+
+        int8 = int8_keys(model)
+    # A weight to be quantized is never cast: it enters as int8 only (a placeholder without
+    # memory holds its place until its layer is swapped).
+    cast = {
+        k: torch.empty(v.shape, dtype=policy.dtype, device="meta")
+        if k in int8
+        else cast_weight(v, policy)
+        for k, v in state.items()
+    }
+    model.load_state_dict(cast, strict=True, assign=True)
+    if int8:  # from the checkpoint's tensors
+        quantize_linears(model, state, policy)
 
 
 @dataclass(frozen=True)

@@ -274,6 +274,9 @@ class Decoder(nn.Module):
             DecoderLayer(c, self.heads, cfg.decoder_ffn_dim) for _ in range(cfg.decoder_layers)
         )
         self.layer_norm = nn.LayerNorm(c)
+        # The output projection is tied to the embedding; `--quantize int8` gives it an int8
+        # copy of its own (quantize.Int8Linear), the embedding staying for the lookup.
+        self.proj_out: nn.Module | None = None
 
     def new_caches(self, audio: torch.Tensor, length: int) -> DecodeCaches:
         """Caches for decoding `audio` (B, S, C): self-attention slots for `length`
@@ -328,6 +331,8 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) logits."""
+        if self.proj_out is not None:
+            return self.proj_out(hidden)
         # The output projection is tied to the embedding; the kernel is chosen per machine.
         return kernels.logits(hidden, self.embed_tokens.weight)
 

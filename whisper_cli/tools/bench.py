@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from whisper_cli.allocator import keep_freed_memory
-from whisper_cli.dtypes import expand_dtypes, resolve_device
+from whisper_cli.dtypes import check_quantize, expand_dtypes, resolve_device
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.features import N_SAMPLES, SAMPLE_RATE
 from whisper_cli.options import COMPILE_CHOICES, default_model, use_compile
@@ -66,6 +66,7 @@ _STDERR_TAIL = 3000  # characters of a failed child's stderr kept in its failure
 class BenchConfig:
     model: str | None = None  # None: the device's default (options.default_model)
     dtypes: tuple[str, ...] = ("auto",)  # each one configuration; see dtypes.expand_dtypes
+    quantize: str = "none"  # every configuration's: none, or int8 weights (CPU)
     batch_size: int = 16
     audio: str | None = None  # a file, or a .npy float32 16 kHz array; None: default speech
     duration: float | None = None  # tile (or cut) the audio to this many seconds
@@ -139,6 +140,7 @@ class ConfigResult:
     align_ms_per_window: float = 0.0
     word_timing_overhead: float = 0.0
     text_sha256: str = ""  # of `text`: compiled = eager at a glance, across machines
+    quantize: str = "none"  # the linear layers' weights: none (the dtype's) or int8
     # engine.EngineCounters per timed run (graphs, recompiles, cudagraph_skips, steps...),
     # and their totals after the warm-up run (where compilation happens).
     engine: dict[str, float] = field(default_factory=dict)
@@ -171,6 +173,7 @@ def with_model(config: BenchConfig) -> BenchConfig:
 def validate(config: BenchConfig) -> None:
     """Run-level checks, before any child starts."""
     expand_dtypes(config.dtypes)
+    check_quantize(config.quantize, resolve_device(config.device))
     if config.batch_size < 1:
         raise WhisperCliError("--batch-size must be at least 1")
     if config.repeats < 1:
@@ -286,6 +289,7 @@ def _child_spec(
     return {
         "model": config.model,
         "dtype": dtype,
+        "quantize": config.quantize,
         "device": config.device,
         "compile": config.compile,
         "batch_size": config.batch_size,
@@ -425,7 +429,7 @@ def measure(
     keep_freed_memory()  # as the CLI does
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
-    policy = resolve_policy(spec["dtype"], spec["device"])
+    policy = resolve_policy(spec["dtype"], spec["device"], spec.get("quantize", "none"))
     device = policy.device
     on_cuda = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if on_cuda else (lambda: None)
@@ -532,6 +536,7 @@ def measure(
         align_ms_per_window=1000 * align_run / max(ran["decoded_rows"], 1),
         word_timing_overhead=align_run / (wall - align_run) if wall > align_run else 0.0,
         text_sha256=hashlib.sha256(transcript.text.encode()).hexdigest(),
+        quantize=policy.quantize,
         engine=ran,
         engine_warmup=dataclasses.asdict(engine_before),
     )
@@ -667,7 +672,7 @@ def render_table(report: BenchReport) -> str:
     for r in report.results:
         cells = [
             r.model,
-            r.dtype,
+            r.dtype if r.quantize == "none" else f"{r.dtype} {r.quantize}",
             "on" if r.compile else "off",
             f"{r.wall_s:.2f}",
             f"{r.rtfx:.1f}",
@@ -725,6 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"default: {default_model('cuda')} on CUDA, {default_model('cpu')} otherwise",
     )
     parser.add_argument("--dtype", default="auto", help="f32, f16, bf16, auto, all or a list")
+    parser.add_argument("--quantize", default="none", help="none, or int8 weights (CPU)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--audio", help="audio file or .npy float32 16 kHz array")
     parser.add_argument("--duration", type=float, help="tile the audio to this many seconds")
@@ -755,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
         config = BenchConfig(
             model=args.model,
             dtypes=expand_dtypes(args.dtype),
+            quantize=args.quantize,
             batch_size=args.batch_size,
             audio=args.audio,
             duration=args.duration,

@@ -264,6 +264,7 @@ class EvalReport:
     device: str
     results: tuple[DtypeResult, ...]
     skipped: tuple[SkippedClip, ...]
+    quantize: str = "none"  # every result's linear weights: none (the dtype's) or int8
 
 
 @dataclass(frozen=True)
@@ -330,13 +331,15 @@ def evaluate(
     batch_size: int = 16,
     progress: Callable[[EvalProgress], None] | None = None,
     vad: bool = True,
+    quantize: str = "none",
 ) -> EvalReport:
-    """Score ``model`` (None: the device's default) on every referenced clip, once per dtype."""
+    """Score ``model`` (None: the device's default) on every referenced clip, once per dtype
+    (each with the linear layers' weights as `quantize` says: none, or int8)."""
     manifest = read_manifest(manifest_path)
     # Every dtype is checked against the device before the first (slow) run starts.
     policies: list[DtypePolicy] = []
     for name in expand_dtypes(dtypes):
-        policy = resolve_policy(name, device)
+        policy = resolve_policy(name, device, quantize)
         if policy not in policies:  # "auto" may repeat an explicit choice
             policies.append(policy)
     model = model or default_model(policies[0].device.type)
@@ -358,6 +361,7 @@ def evaluate(
         device=str(policies[0].device),
         results=tuple(results),
         skipped=tuple(skipped),
+        quantize=quantize,
     )
 
 
@@ -442,7 +446,8 @@ def render_table(report: EvalReport) -> str:
     head = f"{'clip':<{width}}  {'lang':<6} {'unit':<4}" + "".join(
         f" {r.dtype:>10}" for r in results
     )
-    lines = [f"model {report.model} on {report.device}; manifest {report.manifest}", head]
+    weights = "" if report.quantize == "none" else f", {report.quantize} weights"
+    lines = [f"model {report.model} on {report.device}{weights}; manifest {report.manifest}", head]
     lines.append("-" * len(head))
     for row, name in enumerate(names):
         first = results[0].items[row]
@@ -487,6 +492,7 @@ def report_to_json(report: EvalReport) -> dict:
         "manifest": report.manifest,
         "model": report.model,
         "device": report.device,
+        "quantize": report.quantize,
         "skipped": [{"clip": s.name, "reason": s.reason} for s in report.skipped],
         "results": [
             {

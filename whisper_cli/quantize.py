@@ -1,0 +1,69 @@
+"""`--quantize int8`: the model's linear layers with int8 weights, swapped in at load.
+
+Every `model.Linear` of the encoder and decoder becomes an `Int8Linear` holding its weight
+as int8 with per-output-channel float32 scales (dtypes.int8_weight, from the checkpoint's
+own tensor, so that every run dtype holds the same int8 values), and the decoder's tied
+output projection gets an int8 copy of the token embedding (`Decoder.proj_out`). The bias,
+the embeddings, norms and convolutions keep the run dtype; `kernels.int8_linear` runs the
+layers, its result in the run dtype. dtypes.INT8_EXCEPTIONS lists what is not.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from whisper_cli import kernels
+from whisper_cli.dtypes import DtypePolicy, int8_weight
+from whisper_cli.model import Linear, Whisper
+
+# The tied output projection's weight: the token embedding, as the checkpoint names it.
+EMBEDDING_KEY = "decoder.embed_tokens.weight"
+
+
+class Int8Linear(nn.Module):
+    """x W^T + b with W = weight (int8, (N, K)) * weight_scale (float32, (N,)) per row,
+    computed by kernels.int8_linear; x, b and the result in the run dtype."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("bias", bias)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.int8_linear(x, self.weight, self.weight_scale, self.bias)
+
+
+def int8_linear(source: torch.Tensor, bias: torch.Tensor | None, policy: DtypePolicy) -> Int8Linear:
+    """An Int8Linear of a checkpoint weight `source` (any floating dtype) and a bias already
+    in the run dtype."""
+    q, scale = int8_weight(source)
+    return Int8Linear(q.to(policy.device), scale.to(policy.device), bias)
+
+
+def _linears(model: Whisper) -> list[tuple[str, Linear]]:
+    return [(name, module) for name, module in model.named_modules() if type(module) is Linear]
+
+
+def int8_keys(model: Whisper) -> set[str]:
+    """The checkpoint keys (as the model names them) of the weights that become int8."""
+    return {f"{name}.weight" for name, _ in _linears(model)}
+
+
+def quantize_linears(model: Whisper, state: dict[str, torch.Tensor], policy: DtypePolicy) -> None:
+    """Swap every Linear of `model` for an Int8Linear of its checkpoint weight in `state`
+    (keys as the model names them), and give the decoder its int8 output projection."""
+    for name, module in _linears(model):
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, attr, int8_linear(state[f"{name}.weight"], module.bias, policy))
+    model.decoder.proj_out = int8_linear(state[EMBEDDING_KEY], None, policy)
