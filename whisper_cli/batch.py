@@ -34,6 +34,7 @@ from whisper_cli.formats import temp_files
 from whisper_cli.inputs import AUDIO_EXTENSIONS
 from whisper_cli.options import default_model
 from whisper_cli.outputs import OutputPlan
+from whisper_cli.results import TranscriptWarning
 
 if TYPE_CHECKING:
     from whisper_cli.loading import LoadedModel
@@ -75,9 +76,17 @@ class Record:
     duration: float | None = None  # seconds of audio
     language: str | None = None
     wall: float | None = None  # seconds this input took to decode
+    # "ok" with warnings: written, but something was lost or is missing (the transcript's)
+    warnings: tuple[TranscriptWarning, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, line: str) -> Record:
+        data = json.loads(line)
+        found = tuple(TranscriptWarning(**w) for w in data.pop("warnings", None) or ())
+        return cls(**data, warnings=found)
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,7 @@ class BatchReport:
     failed: int
     summary: Path
     audio_seconds: float = 0.0  # audio decoded in this run
+    with_warnings: int = 0  # inputs written in this run whose records carry warnings
     elapsed: float = 0.0  # seconds from the first input handed out to the last one done
 
 
@@ -329,15 +339,16 @@ def run_batch(
 
     config.output_dir.mkdir(parents=True, exist_ok=True)
     _write_summary(summary, [records[it.path] for it in items if it.path in records])
-    failed = 0
+    failed = warned = 0
     audio = 0.0
     started = time.perf_counter()
     with open(summary, "a", encoding="utf-8") as out:
 
         def record(r: Record) -> None:
-            nonlocal failed, audio
+            nonlocal failed, warned, audio
             records[r.path] = r
             failed += r.status == "failed"
+            warned += r.status == "ok" and bool(r.warnings)
             audio += r.duration or 0.0
             out.write(r.to_json() + "\n")
             out.flush()
@@ -365,7 +376,14 @@ def run_batch(
     _write_summary(summary, [records[it.path] for it in items])
     elapsed = time.perf_counter() - started
     return BatchReport(
-        len(items), len(items) - len(todo), len(todo), failed, summary, audio, elapsed
+        len(items),
+        len(items) - len(todo),
+        len(todo),
+        failed,
+        summary,
+        audio_seconds=audio,
+        elapsed=elapsed,
+        with_warnings=warned,
     )
 
 
@@ -381,7 +399,7 @@ def _read_summary(path: Path) -> dict[str, Record]:
     with contextlib.suppress(FileNotFoundError):
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
-                record = Record(**json.loads(line))
+                record = Record.from_json(line)
             except (ValueError, TypeError):
                 continue
             records[record.path] = record
@@ -477,7 +495,8 @@ class Worker:
             def on_result(t: Transcript) -> None:
                 t = dataclasses.replace(t, path=local.original[t.path])
                 plan.emit(t, sys.stdout)
-                finish(Record(t.path, "ok", None, t.duration, t.language, t.timings.get("wall")))
+                wall = t.timings.get("wall")
+                finish(Record(t.path, "ok", None, t.duration, t.language, wall, t.warnings))
 
             def on_error(err: InputError) -> None:
                 path = local.original.get(err.path, err.path)

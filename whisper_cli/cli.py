@@ -617,7 +617,7 @@ def _run(a, term: _Terminal, plan, expanded, files, skipped, started: float) -> 
             sources.append(open_audio(f.path, options.channel, stdin=sys.stdin.buffer))
         except InputError as err:
             on_error(err)
-    written, files_written, audio_seconds = 0, 0, 0.0
+    written, warned, files_written, audio_seconds = 0, 0, 0, 0.0
     n_inputs = len(expanded.files) + len(expanded.errors)
     if sources:
         loaded = _load(a["model"], policy, term)
@@ -626,7 +626,7 @@ def _run(a, term: _Terminal, plan, expanded, files, skipped, started: float) -> 
         transcriber = Transcriber(loaded, options)
 
         def on_result(t) -> None:
-            nonlocal written, files_written, audio_seconds
+            nonlocal written, warned, files_written, audio_seconds
             _check_interrupt()
             if t.language and loaded.tokenizer.is_multilingual:
                 prob = f" (p={t.language_probability:.2f})" if t.language_probability else ""
@@ -634,15 +634,13 @@ def _run(a, term: _Terminal, plan, expanded, files, skipped, started: float) -> 
             if a["verbose"]:
                 for s in t.segments:
                     term.line(f"[{s.start:8.2f} --> {s.end:8.2f}] {s.text.strip()}")
-            for note in t.notes:
-                term.warning(f"{t.path}: {note}")
-            if not t.segments and not t.notes:
-                term.info(f"{t.path}: no speech found")
+            _show_warnings(term, t)
             if plan.output_dir is None:
                 _write_stdout(term, lambda: plan.emit(t, sys.stdout))
             else:
                 files_written += len(plan.emit(t, sys.stdout))
             written += 1
+            warned += bool(t.warnings)
             audio_seconds += t.duration
             term.file_done()
 
@@ -657,7 +655,8 @@ def _run(a, term: _Terminal, plan, expanded, files, skipped, started: float) -> 
     # A run with several inputs counts them; one that writes files says what it wrote
     # (otherwise a single input with -o would end without a word).
     if n_inputs > 1:
-        parts = [f"{written} written", f"{failures} failed"]
+        parts = [f"{written} written", *([f"{warned} with warnings"] if warned else [])]
+        parts.append(f"{failures} failed")
         if skipped:
             parts.append(f"{len(skipped)} skipped")
     elif plan.output_dir is not None:
@@ -670,6 +669,15 @@ def _run(a, term: _Terminal, plan, expanded, files, skipped, started: float) -> 
             f"in {_duration(time.perf_counter() - started)}"
         )
     return EXIT_INPUT_FAILED if failures else EXIT_OK
+
+
+def _show_warnings(term: _Terminal, t) -> None:
+    """The transcript's warnings on stderr (no speech is news, not a fault: an info line)."""
+    for w in t.warnings:
+        if w.code == "no_speech":
+            term.info(f"{t.path}: {w.message}")
+        else:
+            term.warning(f"{t.path}: {w.message}")
 
 
 def _duration(seconds: float) -> str:
@@ -921,6 +929,9 @@ def _batch(**a) -> int:
         _check_interrupt()
         if record.status == "failed":
             _stderr(f"whisper-cli: error: {record.error}")
+        for w in record.warnings if not quiet else ():
+            kind = "" if w.code == "no_speech" else "warning: "
+            _stderr(f"whisper-cli: {kind}{record.path}: {w.message}")
 
     def log(message: str) -> None:
         if not quiet:
@@ -935,8 +946,9 @@ def _batch(**a) -> int:
             log,
         )
     _check_interrupt()
+    warned = f"{report.with_warnings} with warnings, " if report.with_warnings else ""
     log(
-        f"{report.processed - report.failed} written, {report.failed} failed, "
+        f"{report.processed - report.failed} written, {warned}{report.failed} failed, "
         f"{report.skipped} already done, {_duration(report.audio_seconds)} of audio "
         f"in {_duration(report.elapsed)}; summary: {report.summary}"
     )

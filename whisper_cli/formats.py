@@ -358,6 +358,7 @@ def _transcript_dict(transcript: Transcript) -> dict[str, Any]:
         "timings": {
             name: _number(value, _TIME_DECIMALS) for name, value in transcript.timings.items()
         },
+        "warnings": [{"code": w.code, "message": w.message} for w in transcript.warnings],
         "segments": [_segment_dict(i, s) for i, s in enumerate(transcript.segments)],
     }
     if any(s.words for s in transcript.segments):  # word timestamps were asked for

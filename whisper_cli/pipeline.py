@@ -31,7 +31,7 @@ from whisper_cli.features import batch_log_mel
 from whisper_cli.judge import Judgement, judge
 from whisper_cli.loading import LoadedModel
 from whisper_cli.options import Policy, TranscribeOptions
-from whisper_cli.results import Segment, Transcript
+from whisper_cli.results import Segment, Transcript, TranscriptWarning
 from whisper_cli.scheduler import Counters, Failed, Finished, Job, Scheduler, Track
 from whisper_cli.segments import attach_words
 from whisper_cli.speech import FRAME_SECONDS, load_detector
@@ -59,7 +59,7 @@ class _Result:
 
     language: LanguageGuess | None = None
     segments: list[Segment] = field(default_factory=list)
-    # Text the guards or limits cut, reported as the transcript's notes (see _notes).
+    # Text the guards or limits cut, reported as the transcript's warnings (_cut_warnings).
     hit_max_tokens: int = 0  # windows that used all of max_new_tokens without ending
     looped: int = 0  # windows that looped at every temperature (cut by the guard)
     too_repetitive: int = 0  # segments dropped above compression_ratio_threshold
@@ -423,28 +423,48 @@ class Transcriber:
             model=self.loaded.name,
             dtype=dtype_name(self.loaded.policy.dtype),
             timings={"wall": round(time.perf_counter() - track.started, 3)},
-            notes=self._notes(result, track.windows),
+            warnings=self._warnings(track, result, segments),
         )
 
-    def _notes(self, result: _Result, windows: int) -> tuple[str, ...]:
-        """What the user should know was cut from this transcript (none: nothing was)."""
-        o, p, notes = self.options, self.policy, []
+    def _warnings(
+        self, track: Track, result: _Result, segments: tuple[Segment, ...]
+    ) -> tuple[TranscriptWarning, ...]:
+        """What the reader should know: the input's own (audio.py), then what was cut."""
+        cut = self._cut_warnings(result, track.windows)
+        found = [*getattr(track.source, "warnings", ()), *cut]
+        if not segments and not cut:
+            found.append(TranscriptWarning("no_speech", "no speech found"))
+        return tuple(found)
+
+    def _cut_warnings(self, result: _Result, windows: int) -> list[TranscriptWarning]:
+        """What was cut from this transcript (none: nothing was)."""
+        o, p, found = self.options, self.policy, []
         if result.hit_max_tokens:
-            notes.append(
-                f"{result.hit_max_tokens} of {windows} window(s) reached --max-new-tokens "
-                f"{o.max_new_tokens} before their end; the text after that is missing"
+            found.append(
+                TranscriptWarning(
+                    "text_cut",
+                    f"{result.hit_max_tokens} of {windows} window(s) reached --max-new-tokens "
+                    f"{o.max_new_tokens} before their end; the text after that is missing",
+                )
             )
         if result.looped:
-            notes.append(
-                f"{result.looped} window(s) kept repeating themselves at every temperature and "
-                "were cut by the repetition guard; the rest of those windows is missing"
+            found.append(
+                TranscriptWarning(
+                    "looped",
+                    f"{result.looped} window(s) kept repeating themselves at every "
+                    "temperature and were cut by the repetition guard; the rest of those "
+                    "windows is missing",
+                )
             )
         if result.too_repetitive:
-            notes.append(
-                f"{result.too_repetitive} segment(s) dropped as repetitive (above "
-                f"--compression-ratio-threshold {p.compression_ratio_threshold:g})"
+            found.append(
+                TranscriptWarning(
+                    "repetitive",
+                    f"{result.too_repetitive} segment(s) dropped as repetitive (above "
+                    f"--compression-ratio-threshold {p.compression_ratio_threshold:g})",
+                )
             )
-        return tuple(notes)
+        return found
 
 
 def speech_after_timestamps(
