@@ -216,7 +216,8 @@ def test_local_engine_writes_like_transcribe(manifest: Path, transcribed: Path, 
     assert result.exit_code == 1, result.stderr  # the corrupt input failed, alone
     *good, corrupt = manifest_paths(manifest)
     assert f"whisper-cli: error: {corrupt}: " in result.stderr
-    assert "4 written, 1 failed" in result.stderr
+    # tiny.en runs past --max-new-tokens in the German half of multilingual.mp3
+    assert "4 written, 1 with warnings, 1 failed" in result.stderr
     records = summary(out)
     assert list(records) == manifest_paths(manifest)  # in manifest order
     assert records[corrupt]["status"] == "failed" and corrupt in records[corrupt]["error"]
@@ -428,7 +429,8 @@ def test_ray_engine(ray_cluster, manifest: Path, transcribed: Path, local_run, t
     assert result.exit_code == 1, result.stderr
     missing = len(good) + 1 - len(complete)
     assert f"{len(complete)} of 5 input(s) already done, {missing} to transcribe" in result.stderr
-    assert f"{missing - 1} written, 1 failed" in result.stderr
+    # multilingual.mp3 has a warning (text cut), if it is among those left to do
+    assert re.search(rf"{missing - 1} written, (1 with warnings, )?1 failed", result.stderr)
     records = summary(out)
     assert list(records) == manifest_paths(manifest)
     assert records[corrupt]["status"] == "failed"
