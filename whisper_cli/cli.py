@@ -620,36 +620,37 @@ def _run(a, term: _Terminal, plan, expanded, files, skipped, started: float) -> 
     written, warned, files_written, audio_seconds = 0, 0, 0, 0.0
     n_inputs = len(expanded.files) + len(expanded.errors)
     if sources:
-        loaded = _load(a["model"], policy, term)
-        from whisper_cli.pipeline import Transcriber
+        known = all(s.info.duration for s in sources)
+        total = sum(s.info.duration or 0.0 for s in sources) if known else None
+        with term.progress(len(sources), total):
+            loaded = _load(a["model"], policy, term)
+            from whisper_cli.pipeline import Transcriber
 
-        transcriber = Transcriber(loaded, options)
+            transcriber = Transcriber(loaded, options)
 
-        def on_result(t) -> None:
-            nonlocal written, warned, files_written, audio_seconds
-            _check_interrupt()
-            if t.language and loaded.tokenizer.is_multilingual:
-                prob = f" (p={t.language_probability:.2f})" if t.language_probability else ""
-                term.info(f"{t.path}: language {t.language}{prob}")
-            if a["verbose"]:
-                for s in t.segments:
-                    term.line(f"[{s.start:8.2f} --> {s.end:8.2f}] {s.text.strip()}")
-            _show_warnings(term, t)
-            if plan.output_dir is None:
-                _write_stdout(term, lambda: plan.emit(t, sys.stdout))
-            else:
-                files_written += len(plan.emit(t, sys.stdout))
-            written += 1
-            warned += bool(t.warnings)
-            audio_seconds += t.duration
-            term.file_done()
+            def on_result(t) -> None:
+                nonlocal written, warned, files_written, audio_seconds
+                _check_interrupt()
+                if t.language and loaded.tokenizer.is_multilingual:
+                    prob = f" (p={t.language_probability:.2f})" if t.language_probability else ""
+                    term.info(f"{t.path}: language {t.language}{prob}")
+                if a["verbose"]:
+                    for s in t.segments:
+                        term.line(f"[{s.start:8.2f} --> {s.end:8.2f}] {s.text.strip()}")
+                _show_warnings(term, t)
+                if plan.output_dir is None:
+                    _write_stdout(term, lambda: plan.emit(t, sys.stdout))
+                else:
+                    files_written += len(plan.emit(t, sys.stdout))
+                written += 1
+                warned += bool(t.warnings)
+                audio_seconds += t.duration
+                term.file_done()
 
-        def on_input_error(err: WhisperCliError) -> None:
-            on_error(err)
-            term.file_done()
+            def on_input_error(err: WhisperCliError) -> None:
+                on_error(err)
+                term.file_done()
 
-        total = sum(s.info.duration or 0.0 for s in sources)
-        with term.progress(len(sources), total if all(s.info.duration for s in sources) else None):
             transcriber.run(sources, on_result, on_input_error, term.update)
     _check_interrupt()
     # A run with several inputs counts them; one that writes files says what it wrote
@@ -759,13 +760,21 @@ class _Terminal:
             yield
             return
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
         self._files = (0, n_files)
         self._total = total
+        self._stage = "loading model"
         tty = os.fdopen(os.dup(sys.stderr.fileno()), "w", encoding="utf-8", errors="replace")
         try:
             bar = Progress(
+                SpinnerColumn(),
                 TextColumn("{task.description}"),
                 BarColumn(),
                 TextColumn("{task.fields[audio]}"),
@@ -788,6 +797,8 @@ class _Terminal:
 
     def _description(self) -> str:
         done, n = self._files
+        if self._stage != "transcribing":
+            return self._stage
         return f"transcribing {done}/{n} files" if n > 1 else "transcribing"
 
     def _fields(self, done: float, elapsed: float) -> dict[str, str]:
@@ -798,6 +809,7 @@ class _Terminal:
     def update(self, p) -> None:
         _check_interrupt()
         self._last = p
+        self._stage = p.stage
         if self.bar is not None:
             self.bar.update(
                 self._task,

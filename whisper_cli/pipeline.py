@@ -18,6 +18,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from whisper_cli.features import batch_log_mel
 from whisper_cli.judge import Judgement, judge
 from whisper_cli.loading import LoadedModel
 from whisper_cli.options import Policy, TranscribeOptions
+from whisper_cli.progress import FINDING_SPEECH, Progress, Reporter
 from whisper_cli.results import Segment, Transcript, TranscriptWarning
 from whisper_cli.scheduler import Counters, Failed, Finished, Job, Scheduler, Track
 from whisper_cli.segments import attach_words
@@ -42,15 +44,6 @@ from whisper_cli.windows import WindowCutter
 __all__ = ["Counters", "Policy", "Progress", "TranscribeOptions", "Transcriber"]
 
 TASKS = ("transcribe", "translate")
-
-
-@dataclass(frozen=True)
-class Progress:
-    """What the pipeline reports after each batch."""
-
-    audio_done: float  # seconds of audio decoded so far
-    audio_total: float  # seconds of audio in all inputs (known durations)
-    elapsed: float
 
 
 @dataclass
@@ -138,6 +131,7 @@ class Transcriber:
         self.rows = options.batch_size  # halved for the rest of the run on out-of-memory
         self.counters = Counters()
         self._results: list[_Result] = []  # per input of the run in progress
+        self._reporter = Reporter(None, 0.0, lambda: 0.0)  # the run in progress's
 
     # -- public API ----------------------------------------------------------------
 
@@ -172,8 +166,8 @@ class Transcriber:
                 )
             except InputError as exc:
                 on_error(exc)
-        total = sum(s.info.duration or 0.0 for s in sources)
-        started = time.perf_counter()
+        known = all(s.info.duration for s in sources)
+        total = sum(s.info.duration or 0.0 for s in sources) if known else 0.0
         self._results = [_Result() for _ in sources]
         scheduler = Scheduler(
             sources,
@@ -191,12 +185,13 @@ class Transcriber:
                 elif isinstance(event, Finished):
                     on_result(self._finish(event.track))
 
+        self._reporter = reporter = Reporter(on_progress, total, scheduler.audio_done)
+        reporter.enter(FINDING_SPEECH)
         for batch in scheduler.batches():
             report()  # inputs with no speech, or unreadable, met while the batch was filled
             scheduler.settle(batch, self._decode_batch(batch))
             report()
-            if on_progress:
-                on_progress(Progress(scheduler.audio_done(), total, time.perf_counter() - started))
+            reporter.settled()
         report()
 
     def _decode_batch(self, batch: list[Job]) -> list[Job]:
@@ -205,10 +200,14 @@ class Transcriber:
         Returns the jobs to decode again at their next temperature."""
         again: list[Job] = []
         done = 0
+        # Each window counts once towards progress: at its first attempt.
+        self._reporter.batch(
+            [j.window.duration if j.attempt == 0 and j.ahead_of is None else None for j in batch]
+        )
         while done < len(batch):
             chunk = batch[done : done + self.rows]
             try:
-                again += self._decode_rows(chunk)
+                again += self._decode_rows(chunk, done)
             except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError in newer torch
                 if self.rows == 1:
                     raise WhisperCliError("out of memory with a batch of one window") from None
@@ -264,14 +263,22 @@ class Transcriber:
             )
         return torch.from_numpy(table).to(self.loaded.policy.device)
 
-    def _decode_rows(self, batch: list[Job]) -> list[Job]:
+    def _decode_rows(self, batch: list[Job], offset: int = 0) -> list[Job]:
+        """offset: where these rows lie in the scheduler's batch (for progress)."""
+        reporter = self._reporter
+        reporter.encoding()
         features = self._encode(batch)
         self.counters.batches += 1
         languages = self._languages(batch, features)
         temperatures = [self.policy.temperatures[j.attempt] for j in batch]
         seeds = [self._seed(j) for j in batch]
         rows = self.engine.decode(
-            features, languages, self._speech_after(batch), temperatures, seeds
+            features,
+            languages,
+            self._speech_after(batch),
+            temperatures,
+            seeds,
+            on_rows=None if reporter.on_progress is None else partial(reporter.rows, offset),
         )
         # Attempts decoded ahead: (their job, attempt) -> row.
         ahead = {
