@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.formats import temp_files
 from whisper_cli.inputs import AUDIO_EXTENSIONS
-from whisper_cli.options import default_model
 from whisper_cli.outputs import OutputPlan
 from whisper_cli.results import TranscriptWarning
 
@@ -93,7 +92,7 @@ class Record:
 class WorkerSpec:
     """What a Worker needs to build itself, on this machine or on any node of a cluster."""
 
-    model: str
+    model: str | None  # None: the default model of the device the worker loads on
     dtype: str
     device: str
     options: TranscribeOptions
@@ -114,7 +113,7 @@ class BatchConfig:
     manifest: str
     output_dir: Path
     fmt: str  # as --format takes it (one format or "all")
-    model: str | None  # None: turbo on CUDA, base otherwise
+    model: str | None  # None: the default of the device it loads on (options.default_model)
     dtype: str = "auto"
     device: str = "auto"
     engine: str = "local"
@@ -544,14 +543,14 @@ def _run_local(config, plan, make_options, todo, record, log) -> None:
     from whisper_cli.dtypes import resolve_policy
 
     policy = resolve_policy(config.dtype, config.device)
-    model = config.model or default_model(policy.device.type)
     started = time.perf_counter()
-    loaded = loading.load_model(model, policy)
+    loaded = loading.load_model(config.model, policy)
     log(
-        f"model {model} ({loaded.path}), dtype {policy.name}, device {policy.device} "
+        f"model {loaded.name} ({loaded.path}), dtype {policy.name}, device {policy.device} "
         f"[{time.perf_counter() - started:.1f} s]"
     )
-    spec = WorkerSpec(model, config.dtype, config.device, make_options(policy.device.type), plan)
+    options = make_options(policy.device.type)
+    spec = WorkerSpec(loaded.name, config.dtype, config.device, options, plan)
     worker = Worker(spec, loaded)
     size = _files_per_call(spec.options.batch_size, len(todo), 1)
     for start in range(0, len(todo), size):
@@ -593,8 +592,7 @@ def _run_ray(config, plan, make_options, todo, record, log) -> None:
         elif device.startswith("cuda") and sizing.gpus == 0:
             raise WhisperCliError("--device cuda with --engine ray needs --gpus-per-worker")
         device_type = "cuda" if device.startswith("cuda") else "cpu"
-        model = config.model or default_model(device_type)
-        spec = WorkerSpec(model, config.dtype, device, make_options(device_type), plan)
+        spec = WorkerSpec(config.model, config.dtype, device, make_options(device_type), plan)
         per_call = _files_per_call(spec.options.batch_size, len(todo), sizing.workers)
         batches = [todo[start : start + per_call] for start in range(0, len(todo), per_call)]
         # A restarted actor runs its constructor again with the arguments it was created

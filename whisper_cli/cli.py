@@ -469,12 +469,10 @@ def _policy(a: dict[str, Any]) -> Policy:
 def _load(model: str | None, policy, term: _Terminal):
     from whisper_cli.loading import load_model
 
-    if model is None:
-        model = default_model(policy.device.type)
     started = time.perf_counter()
     loaded = load_model(model, policy)
     term.info(
-        f"model {model} ({loaded.path}), dtype {policy.name}, "
+        f"model {loaded.name} ({loaded.path}), dtype {policy.name}, "
         f"device {policy.device} [{time.perf_counter() - started:.1f} s]"
     )
     return loaded

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 def default_model(device_type: str) -> str:
     """The model of a run that names none: turbo on CUDA, base otherwise.
 
-    The one place this is decided: transcribe, batch, bench and eval all ask here.
+    Asked where a model is loaded (loading.load_model, for the device it loads on), and
+    by bench, which names the model of each child before the child starts.
     """
     return "turbo" if device_type == "cuda" else "base"
 
