@@ -25,12 +25,12 @@ import tempfile
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from whisper_cli.errors import InputError, WhisperCliError
-from whisper_cli.formats import temp_files
+from whisper_cli.formats import SubtitleOptions, temp_files
 from whisper_cli.inputs import AUDIO_EXTENSIONS
 from whisper_cli.outputs import OutputPlan
 from whisper_cli.results import TranscriptWarning
@@ -121,6 +121,7 @@ class BatchConfig:
     workers: int | None = None  # Ray actors; default: one per G GPUs, or one per node
     gpus_per_worker: float | None = None  # default: 1 where the cluster has GPUs, else 0
     shard: tuple[int, int] | None = None  # (I, N): this job's part of N
+    subtitles: SubtitleOptions = field(default_factory=SubtitleOptions)  # word-timed cues
 
 
 @dataclass(frozen=True)
@@ -314,7 +315,9 @@ def run_batch(
     if config.engine == "ray":
         _import_ray()  # before any work: it may not be installed
     # The workers' plan names no outputs: each item carries its own name to its worker.
-    plan = OutputPlan.make(config.fmt, config.output_dir, [], n_inputs=2)  # always "several"
+    plan = OutputPlan.make(  # always "several" inputs
+        config.fmt, config.output_dir, [], n_inputs=2, subtitles=config.subtitles
+    )
     items = read_manifest(config.manifest)
     named = _named(plan, items)
     named.check_distinct([it.path for it in items])  # over the whole manifest: every shard

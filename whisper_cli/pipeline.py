@@ -31,7 +31,7 @@ from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.features import batch_log_mel
 from whisper_cli.judge import Judgement, judge
 from whisper_cli.loading import LoadedModel
-from whisper_cli.options import Policy, TranscribeOptions
+from whisper_cli.options import Policy, TranscribeOptions, check_options
 from whisper_cli.progress import FINDING_SPEECH, Progress, Reporter
 from whisper_cli.results import Segment, Transcript, TranscriptWarning
 from whisper_cli.scheduler import Counters, Failed, Finished, Job, Scheduler, Track
@@ -41,9 +41,7 @@ from whisper_cli.timing import Aligner, AlignRow
 from whisper_cli.tokenizer import TIME_PRECISION
 from whisper_cli.windows import WindowCutter
 
-__all__ = ["Counters", "Policy", "Progress", "TranscribeOptions", "Transcriber"]
-
-TASKS = ("transcribe", "translate")
+__all__ = ["Counters", "Policy", "Progress", "TranscribeOptions", "Transcriber", "check_options"]
 
 
 @dataclass
@@ -56,19 +54,6 @@ class _Result:
     hit_max_tokens: int = 0  # windows that used all of max_new_tokens without ending
     looped: int = 0  # windows that looped at every temperature (cut by the guard)
     too_repetitive: int = 0  # segments dropped above compression_ratio_threshold
-
-
-def check_options(options: TranscribeOptions) -> None:
-    """Run-level checks that need no model (the CLI makes them before loading one)."""
-    if options.task not in TASKS:
-        raise WhisperCliError(f"invalid task {options.task!r}; choose transcribe or translate")
-    if options.batch_size < 1:
-        raise WhisperCliError("--batch-size must be at least 1")
-    if options.language is not None and options.multilingual:
-        raise WhisperCliError(
-            f"--multilingual detects the language of every window; it contradicts "
-            f"--language {options.language}"
-        )
 
 
 def validate_options(loaded: LoadedModel, options: TranscribeOptions) -> None:

@@ -43,7 +43,7 @@ from whisper_cli.allocator import keep_freed_memory
 from whisper_cli.dtypes import expand_dtypes, resolve_device
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.features import N_SAMPLES, SAMPLE_RATE
-from whisper_cli.options import COMPILE_CHOICES, default_model, use_compile
+from whisper_cli.options import COMPILE_CHOICES, RunOptions, default_model, use_compile
 
 REFERENCES = ("transformers",)
 BENCH_PATH = "<bench audio>"  # the name the pipeline sees for the served audio
@@ -80,6 +80,25 @@ class BenchConfig:
     language: str | None = None  # None: detected per input, as the CLI does
     threads: int | None = None  # torch intra-op threads in the child; None: torch's default
     timeout_s: float | None = None  # per configuration (child process)
+
+    @classmethod
+    def of(cls, options: RunOptions, **bench: Any) -> BenchConfig:
+        """The bench of a command line's transcription options (what bench measures of
+        them: model, device, compile, language, timestamps, words, the map, batch size,
+        max new tokens), with bench's own settings."""
+        d = options.decoding
+        return cls(
+            model=options.model,
+            batch_size=d.batch_size,
+            max_new_tokens=d.max_new_tokens,
+            compile=options.compile,
+            timestamps=d.timestamps,
+            vad=d.vad,
+            word_timestamps=d.word_timestamps,
+            device=options.device,
+            language=d.language,
+            **bench,
+        )
 
 
 @dataclass(frozen=True)
