@@ -62,6 +62,8 @@ class Reporter:
 
     def batch(self, windows: list[float | None]) -> None:
         """A batch starts: each row's window length (None: an attempt already counted)."""
+        if self.on_progress is None:
+            return  # nobody watches: not even the scheduler's sum is taken
         self._base = self.audio_done()
         self._windows = windows
         self._at = {}
@@ -79,7 +81,8 @@ class Reporter:
     def settled(self) -> None:
         """The batch is done: the scheduler's figure."""
         self.stage = TRANSCRIBING
-        self._emit(self.audio_done())
+        if self.on_progress is not None:
+            self._emit(self.audio_done())
 
     def _emit(self, done: float) -> None:
         if self.total:
