@@ -817,6 +817,7 @@ class _Terminal:
         self.bar = None
         self._task = None
         self._files = (0, 0)  # done, total
+        self._stage = "loading model"  # until the pipeline reports its own (Progress.stage)
         self._last = None  # the latest pipeline Progress
 
     # -- messages -----------------------------------------------------------------------
@@ -878,7 +879,6 @@ class _Terminal:
 
         self._files = (0, n_files)
         self._total = total
-        self._stage = "loading model"
         tty = os.fdopen(os.dup(sys.stderr.fileno()), "w", encoding="utf-8", errors="replace")
         try:
             bar = Progress(
