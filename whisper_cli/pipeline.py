@@ -257,13 +257,9 @@ class Transcriber:
         languages = self._languages(batch, features)
         temperatures = [self.policy.temperatures[j.attempt] for j in batch]
         seeds = [self._seed(j) for j in batch]
+        watch = None if reporter.on_progress is None else partial(reporter.rows, offset)
         rows = self.engine.decode(
-            features,
-            languages,
-            self._speech_after(batch),
-            temperatures,
-            seeds,
-            on_rows=None if reporter.on_progress is None else partial(reporter.rows, offset),
+            features, languages, self._speech_after(batch), temperatures, seeds, watch
         )
         # Attempts decoded ahead: (their job, attempt) -> row.
         ahead = {
