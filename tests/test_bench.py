@@ -317,3 +317,13 @@ def test_word_timestamps_run_reports_the_alignment_cost() -> None:
     table = render_table(report)
     assert "| words +% |" in table
     assert f"| {100 * result.word_timing_overhead:.1f} |" in table
+
+
+def test_bench_decodes_what_transcribe_decodes_unless_told() -> None:
+    from whisper_cli.cli import run_options
+    from whisper_cli.options import TranscribeOptions
+
+    assert BenchConfig().max_new_tokens == TranscribeOptions().max_new_tokens == 224
+    assert BenchConfig.of(run_options({})).max_new_tokens == 224
+    told = BenchConfig.of(run_options({"max_new_tokens": 64, "no_vad": True}), repeats=1)
+    assert (told.max_new_tokens, told.vad, told.repeats, told.timestamps) == (64, False, 1, True)

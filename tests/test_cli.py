@@ -836,3 +836,19 @@ def test_repetition_guard_cut_is_reported(monkeypatch: pytest.MonkeyPatch) -> No
         "temperature and were cut by the repetition guard; the rest of those windows is missing"
     ]
     assert "warning" not in transcribe(jfk(), "-m", tiny(), "-q").stderr
+
+
+def test_cli_functions_stay_short_and_build_options_once() -> None:
+    """The option model keeps the commands small: no dict(locals()), no long function."""
+    import ast
+
+    import whisper_cli.cli
+
+    source = Path(whisper_cli.cli.__file__).read_text()
+    assert "locals()" not in source
+    long = [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 60
+    ]
+    assert long == []

@@ -17,6 +17,7 @@ import pytest
 from util import real_model, shared_clip
 
 from whisper_cli.errors import WhisperCliError
+from whisper_cli.options import default_model
 from whisper_cli.pipeline import TranscribeOptions
 from whisper_cli.results import Transcript
 from whisper_cli.tools import evaluate as ev
@@ -45,6 +46,7 @@ class FakeRun:
     def load_model(self, name, policy):
         self.loads.append(policy.name)
         tokenizer = SimpleNamespace(is_multilingual=self.multilingual)
+        name = name or default_model(policy.device.type)  # as loading.load_model names it
         return SimpleNamespace(name=name, policy=policy, tokenizer=tokenizer)
 
     def transcribe_paths(self, loaded, options, paths, on_progress=None):

@@ -270,6 +270,7 @@ def test_json_carries_every_field_rounded() -> None:
         "model": "openai/whisper-tiny",
         "dtype": "float16",
         "timings": {"load": 1.235, "decode": 0.5},
+        "warnings": [],
         "segments": [
             {
                 "id": 0,

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from util import make_random_model, real_tokenizer
 
 from whisper_cli import loading
-from whisper_cli.dtypes import resolve_policy
+from whisper_cli.dtypes import DtypePolicy, resolve_policy
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.loading import load_model, resolve_model
 
@@ -174,3 +174,20 @@ def test_alias_prefers_imported_model_then_names_alternatives(monkeypatch, tmp_p
     with pytest.raises(WhisperCliError, match="unknown model 'nope'"):
         resolve_model("nope")
     assert loading.ALIASES["turbo"] == "openai/whisper-large-v3-turbo"
+
+
+@pytest.mark.parametrize(("device", "expected"), [("cuda", "turbo"), ("cpu", "base")])
+def test_no_model_name_loads_the_default_of_the_policys_device(monkeypatch, device, expected):
+    """The one place a run without --model gets its model: where it loads, for that device
+    (a Ray worker on a GPU node gets turbo although its driver has no GPU)."""
+    asked: list[str] = []
+
+    def resolve(name: str) -> Path:
+        asked.append(name)
+        raise WhisperCliError("stop here")
+
+    monkeypatch.setattr(loading, "resolve_model", resolve)
+    policy = DtypePolicy(torch.float32, torch.device(device))
+    with pytest.raises(WhisperCliError, match="stop here"):
+        load_model(None, policy)
+    assert asked == [expected]

@@ -170,3 +170,33 @@ def test_progress_bar_without_a_known_total(tmp_path: Path) -> None:
     assert "whisper-cli: warning: a warning while the bar is drawn" in term.text
     assert term.raw.rfind(SHOW_CURSOR) > term.raw.rfind(HIDE_CURSOR)
     assert term.text.rstrip().endswith("done")
+
+
+def _long_speech(path: Path) -> float:
+    """The shared clips one after another, twice the long one: about 2.5 min of speech."""
+    import numpy as np
+    import soundfile as sf
+
+    from whisper_cli.audio import SAMPLE_RATE, load_audio
+
+    names = ("jfk.flac", "multilingual.mp3", "hotwords.mp3", "multilingual.mp3", "jfk.flac")
+    samples = np.concatenate([load_audio(shared_clip(n)) for n in names])
+    sf.write(path, samples, SAMPLE_RATE)
+    return len(samples) / SAMPLE_RATE
+
+
+def test_progress_moves_while_one_long_input_decodes(tmp_path: Path) -> None:
+    """One input whose windows all fit one batch: the figure moves during that batch."""
+    long = tmp_path / "long.wav"
+    seconds = _long_speech(long)
+    assert 140 < seconds < 160
+    out = tmp_path / "out.txt"
+    term = Terminal(f"exec {exe()} transcribe {long} --model {tiny()} > {out}")
+    assert term.returncode == 0, term.text
+    term.assert_bar_drawn_and_cursor_restored()
+    assert "loading model" in term.text  # the stage before decoding has a line of its own
+    shown = re.findall(r"(\d+)/(\d+) s audio", term.text)
+    assert shown and {int(total) for _, total in shown} == {round(seconds)}, term.text[-2000:]
+    moving = {int(done) for done, _ in shown if 0 < int(done) < round(seconds)}
+    assert len(moving) >= 3, sorted(moving)
+    assert "ask not what your country" in out.read_text()

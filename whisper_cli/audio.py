@@ -19,9 +19,12 @@ its header announces (a recording cut short, a partial download) is decoded as f
 goes, with one warning that says where it ends; a file damaged in the middle, or with
 nothing readable, is an InputError. Samples that are NaN or infinite are replaced by
 silence with one warning (an input with no finite sample at all is an InputError).
-Warnings go through Python's ``warnings`` as ``WhisperCliWarning``; what C decoders print
-to the process's stderr (libmpg123, FFmpeg) is captured at the file-descriptor level and
-reported as a ``DecoderMessage`` warning, or inside the InputError when the read fails.
+Those warnings are the source's ``warnings`` (TranscriptWarning, read by the pipeline into
+the transcript) once a pass of ``blocks`` has ended; ``load_audio`` also raises them as
+Python ``WhisperCliWarning``s. What C decoders print to the process's stderr (libmpg123,
+FFmpeg) is captured at the file-descriptor level and reported as a ``DecoderMessage``
+Python warning (a debugging aid, not a fault of the input), or inside the InputError when
+the read fails.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import soundfile as sf
 import soxr
 
 from whisper_cli.errors import DecoderMessage, InputError, WhisperCliError, WhisperCliWarning
+from whisper_cli.results import TranscriptWarning
 
 if TYPE_CHECKING:  # PyAV is imported lazily at run time
     import av
@@ -203,6 +207,8 @@ class AudioSource:
         # Bytes still arriving (a pipe): decoded as they come, its length unknown.
         self._pipe = pipe
         self.live = pipe is not None
+        # What the latest complete pass of `blocks` found (truncated, non_finite).
+        self.warnings: tuple[TranscriptWarning, ...] = ()
 
     def __repr__(self) -> str:
         return f"AudioSource({self.info!r}, backend={self.backend!r})"
@@ -219,8 +225,8 @@ class AudioSource:
         """Yield the audio as float32 mono 16 kHz blocks of ``block_seconds`` (the last shorter).
 
         Raises InputError if the input turns out to be damaged part way through, or has
-        no finite sample; warns (WhisperCliWarning) when it ends before its header says
-        or held NaN/infinite samples (replaced by silence).
+        no finite sample; once the pass ends, `warnings` says whether it ended before its
+        header says or held NaN/infinite samples (replaced by silence).
         """
         block_size = round(block_seconds * SAMPLE_RATE)
         if block_size < 1:
@@ -250,24 +256,28 @@ class AudioSource:
         decoded = tally.frames / rate
         if tally.frames and tally.nonfinite == tally.frames:
             raise InputError(path, "has no finite sample (all are NaN or infinite)")
+        found = []
         if tally.nonfinite:
             n = tally.nonfinite
-            warnings.warn(
-                f"{path}: {n} non-finite sample{'s' * (n > 1)} (NaN or infinite) replaced by "
-                f"silence ({_span(n / rate)} of {_span(decoded)})",
-                WhisperCliWarning,
-                stacklevel=2,
+            found.append(
+                TranscriptWarning(
+                    "non_finite",
+                    f"{n} non-finite sample{'s' * (n > 1)} (NaN or infinite) replaced by "
+                    f"silence ({_span(n / rate)} of {_span(decoded)})",
+                )
             )
         announced = self._announced if self._announced is not None else self.info.duration
         slack = _LENGTH_SLACK_SECONDS + _LENGTH_SLACK_FRACTION * (announced or 0.0)
         if tally.ended_early or (announced and decoded < announced - slack):
             length = f" of the {_span(announced)} its header announces" if announced else ""
-            warnings.warn(
-                f"{path}: truncated: the audio ends at {_span(decoded)}{length}; "
-                "transcribed what is there",
-                WhisperCliWarning,
-                stacklevel=2,
+            found.append(
+                TranscriptWarning(
+                    "truncated",
+                    f"truncated: the audio ends at {_span(decoded)}{length}; "
+                    "transcribed what is there",
+                )
             )
+        self.warnings = tuple(found)
         said = self._chatter.lines(since_report=True)
         self._chatter.mark_reported()
         if said:
@@ -311,8 +321,12 @@ def open_audio(
 
 
 def load_audio(path: str | Path, channel: str | int | None = None) -> np.ndarray:
-    """Decode a whole input to one float32 mono 16 kHz array (convenience; not streaming)."""
-    blocks = list(open_audio(path, channel).blocks())
+    """Decode a whole input to one float32 mono 16 kHz array (convenience; not streaming);
+    the source's warnings are raised as WhisperCliWarning."""
+    source = open_audio(path, channel)
+    blocks = list(source.blocks())
+    for found in source.warnings:
+        warnings.warn(f"{source.info.path}: {found.message}", WhisperCliWarning, stacklevel=2)
     return np.concatenate(blocks) if blocks else np.zeros(0, np.float32)
 
 

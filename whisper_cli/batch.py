@@ -25,15 +25,15 @@ import tempfile
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from whisper_cli.errors import InputError, WhisperCliError
-from whisper_cli.formats import temp_files
+from whisper_cli.formats import SubtitleOptions, temp_files
 from whisper_cli.inputs import AUDIO_EXTENSIONS
-from whisper_cli.options import default_model
 from whisper_cli.outputs import OutputPlan
+from whisper_cli.results import TranscriptWarning
 
 if TYPE_CHECKING:
     from whisper_cli.loading import LoadedModel
@@ -75,20 +75,29 @@ class Record:
     duration: float | None = None  # seconds of audio
     language: str | None = None
     wall: float | None = None  # seconds this input took to decode
+    # "ok" with warnings: written, but something was lost or is missing (the transcript's)
+    warnings: tuple[TranscriptWarning, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, line: str) -> Record:
+        data = json.loads(line)
+        found = tuple(TranscriptWarning(**w) for w in data.pop("warnings", None) or ())
+        return cls(**data, warnings=found)
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
     """What a Worker needs to build itself, on this machine or on any node of a cluster."""
 
-    model: str
+    model: str | None  # None: the default model of the device the worker loads on
     dtype: str
     device: str
     options: TranscribeOptions
     plan: OutputPlan
+    quantize: str = "none"
 
 
 @dataclass(frozen=True)
@@ -105,14 +114,16 @@ class BatchConfig:
     manifest: str
     output_dir: Path
     fmt: str  # as --format takes it (one format or "all")
-    model: str | None  # None: turbo on CUDA, base otherwise
+    model: str | None  # None: the default of the device it loads on (options.default_model)
     dtype: str = "auto"
+    quantize: str = "none"
     device: str = "auto"
     engine: str = "local"
     ray_address: str | None = None
     workers: int | None = None  # Ray actors; default: one per G GPUs, or one per node
     gpus_per_worker: float | None = None  # default: 1 where the cluster has GPUs, else 0
     shard: tuple[int, int] | None = None  # (I, N): this job's part of N
+    subtitles: SubtitleOptions = field(default_factory=SubtitleOptions)  # word-timed cues
 
 
 @dataclass(frozen=True)
@@ -123,6 +134,7 @@ class BatchReport:
     failed: int
     summary: Path
     audio_seconds: float = 0.0  # audio decoded in this run
+    with_warnings: int = 0  # inputs written in this run whose records carry warnings
     elapsed: float = 0.0  # seconds from the first input handed out to the last one done
 
 
@@ -305,7 +317,9 @@ def run_batch(
     if config.engine == "ray":
         _import_ray()  # before any work: it may not be installed
     # The workers' plan names no outputs: each item carries its own name to its worker.
-    plan = OutputPlan.make(config.fmt, config.output_dir, [], n_inputs=2)  # always "several"
+    plan = OutputPlan.make(  # always "several" inputs
+        config.fmt, config.output_dir, [], n_inputs=2, subtitles=config.subtitles
+    )
     items = read_manifest(config.manifest)
     named = _named(plan, items)
     named.check_distinct([it.path for it in items])  # over the whole manifest: every shard
@@ -329,15 +343,16 @@ def run_batch(
 
     config.output_dir.mkdir(parents=True, exist_ok=True)
     _write_summary(summary, [records[it.path] for it in items if it.path in records])
-    failed = 0
+    failed = warned = 0
     audio = 0.0
     started = time.perf_counter()
     with open(summary, "a", encoding="utf-8") as out:
 
         def record(r: Record) -> None:
-            nonlocal failed, audio
+            nonlocal failed, warned, audio
             records[r.path] = r
             failed += r.status == "failed"
+            warned += r.status == "ok" and bool(r.warnings)
             audio += r.duration or 0.0
             out.write(r.to_json() + "\n")
             out.flush()
@@ -365,7 +380,14 @@ def run_batch(
     _write_summary(summary, [records[it.path] for it in items])
     elapsed = time.perf_counter() - started
     return BatchReport(
-        len(items), len(items) - len(todo), len(todo), failed, summary, audio, elapsed
+        len(items),
+        len(items) - len(todo),
+        len(todo),
+        failed,
+        summary,
+        audio_seconds=audio,
+        elapsed=elapsed,
+        with_warnings=warned,
     )
 
 
@@ -381,7 +403,7 @@ def _read_summary(path: Path) -> dict[str, Record]:
     with contextlib.suppress(FileNotFoundError):
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
-                record = Record(**json.loads(line))
+                record = Record.from_json(line)
             except (ValueError, TypeError):
                 continue
             records[record.path] = record
@@ -422,7 +444,8 @@ class Worker:
             from whisper_cli import loading
             from whisper_cli.dtypes import resolve_policy
 
-            loaded = loading.load_model(spec.model, resolve_policy(spec.dtype, spec.device))
+            policy = resolve_policy(spec.dtype, spec.device, spec.quantize)
+            loaded = loading.load_model(spec.model, policy)
         self.spec = spec
         self.loaded = loaded
         self._transcribers: dict[tuple[str | None, str | None], Transcriber | WhisperCliError] = {}
@@ -477,7 +500,8 @@ class Worker:
             def on_result(t: Transcript) -> None:
                 t = dataclasses.replace(t, path=local.original[t.path])
                 plan.emit(t, sys.stdout)
-                finish(Record(t.path, "ok", None, t.duration, t.language, t.timings.get("wall")))
+                wall = t.timings.get("wall")
+                finish(Record(t.path, "ok", None, t.duration, t.language, wall, t.warnings))
 
             def on_error(err: InputError) -> None:
                 path = local.original.get(err.path, err.path)
@@ -524,15 +548,15 @@ def _run_local(config, plan, make_options, todo, record, log) -> None:
     from whisper_cli import loading
     from whisper_cli.dtypes import resolve_policy
 
-    policy = resolve_policy(config.dtype, config.device)
-    model = config.model or default_model(policy.device.type)
+    policy = resolve_policy(config.dtype, config.device, config.quantize)
     started = time.perf_counter()
-    loaded = loading.load_model(model, policy)
+    loaded = loading.load_model(config.model, policy)
     log(
-        f"model {model} ({loaded.path}), dtype {policy.name}, device {policy.device} "
+        f"model {loaded.name} ({loaded.path}), dtype {policy.name}, device {policy.device} "
         f"[{time.perf_counter() - started:.1f} s]"
     )
-    spec = WorkerSpec(model, config.dtype, config.device, make_options(policy.device.type), plan)
+    options = make_options(policy.device.type)
+    spec = WorkerSpec(loaded.name, config.dtype, config.device, options, plan, config.quantize)
     worker = Worker(spec, loaded)
     size = _files_per_call(spec.options.batch_size, len(todo), 1)
     for start in range(0, len(todo), size):
@@ -574,8 +598,9 @@ def _run_ray(config, plan, make_options, todo, record, log) -> None:
         elif device.startswith("cuda") and sizing.gpus == 0:
             raise WhisperCliError("--device cuda with --engine ray needs --gpus-per-worker")
         device_type = "cuda" if device.startswith("cuda") else "cpu"
-        model = config.model or default_model(device_type)
-        spec = WorkerSpec(model, config.dtype, device, make_options(device_type), plan)
+        spec = WorkerSpec(
+            config.model, config.dtype, device, make_options(device_type), plan, config.quantize
+        )
         per_call = _files_per_call(spec.options.batch_size, len(todo), sizing.workers)
         batches = [todo[start : start + per_call] for start in range(0, len(todo), per_call)]
         # A restarted actor runs its constructor again with the arguments it was created

@@ -11,15 +11,18 @@ input opened and validated), so a mistake costs a second, not a model load and a
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 import signal
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 import typer.core
@@ -33,20 +36,20 @@ from whisper_cli.errors import (
     EXIT_OK,
     EXIT_USAGE,
     DecoderMessage,
+    InputError,
     WhisperCliError,
     WhisperCliWarning,
 )
+from whisper_cli.formats import SubtitleOptions
 from whisper_cli.options import (
     COMPILE_CHOICES,
     LIVE_LATENCY_SECONDS,
     Policy,
+    RunOptions,
+    TranscribeOptions,
     default_model,
     parse_latency,
-    use_compile,
 )
-
-if TYPE_CHECKING:
-    from whisper_cli.pipeline import TranscribeOptions
 
 
 class _NoFlagPlaceholder:
@@ -443,51 +446,158 @@ def _fail(exc: WhisperCliError, debug: bool) -> typer.Exit:
     return typer.Exit(exc.exit_code)
 
 
-def transcribe_options(a: dict[str, Any], device_type: str) -> TranscribeOptions:
-    """TranscribeOptions from a command's parsed transcribe options (the names above).
+# --- the transcription options: one parameter set, built once into RunOptions ----------
 
-    The one place that maps them; it also refuses what is wrong or contradictory
-    without a model (bad language or channel, --multilingual with --language).
+# Every transcription option: its flag (annotated above) and default, in --help's order.
+TRANSCRIPTION_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "fmt": (FormatOpt, Format.txt),
+    "word_timestamps": (WordTimestampsOpt, False),
+    "max_line_width": (MaxLineWidthOpt, None),
+    "max_line_count": (MaxLineCountOpt, None),
+    "max_words_per_line": (MaxWordsPerLineOpt, None),
+    "highlight_words": (HighlightWordsOpt, False),
+    "channel": (ChannelOpt, None),
+    "model": (ModelOpt, None),
+    "dtype": (DtypeOpt, Dtype.auto),
+    "quantize": (QuantizeOpt, "none"),
+    "device": (DeviceOpt, "auto"),
+    "language": (LanguageOpt, None),
+    "multilingual": (MultilingualOpt, False),
+    "task": (TaskOpt, Task.transcribe),
+    "no_timestamps": (NoTimestampsOpt, False),
+    "max_new_tokens": (MaxNewTokensOpt, TranscribeOptions.max_new_tokens),
+    "initial_prompt": (InitialPromptOpt, None),
+    "temperature": (TemperatureOpt, TEMPERATURES),
+    "no_vad": (NoVadOpt, False),
+    "vad_threshold": (VadThresholdOpt, Policy.vad_threshold),
+    "no_speech_threshold": (NoSpeechThresholdOpt, Policy.no_speech_threshold),
+    "logprob_threshold": (LogprobThresholdOpt, Policy.logprob_threshold),
+    "compression_ratio_threshold": (
+        CompressionRatioThresholdOpt,
+        Policy.compression_ratio_threshold,
+    ),
+    "batch_size": (BatchSizeOpt, TranscribeOptions.batch_size),
+    "compile": (CompileOpt, Compile.auto),
+}
+# What bench varies (its --dtype takes a list; its audio is its own) and what eval does.
+BENCH_OPTIONS = (
+    "model",
+    "device",
+    "compile",
+    "language",
+    "no_timestamps",
+    "max_new_tokens",
+    "batch_size",
+    "word_timestamps",
+    "no_vad",
+)
+EVAL_OPTIONS = ("model", "device", "batch_size", "no_vad")
+MESSAGE_FLAGS = ("quiet", "verbose", "debug")
+
+
+def takes_options(*names: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A command that takes these transcription flags (none named: every one), and gets
+    them as one RunOptions in its keyword `options`, built by `run_options`.
+
+    The flags are added to the command's signature, which Typer reads, so every command
+    that takes an option takes the same flag, with the same help and default.
+    """
+    names = names or tuple(TRANSCRIPTION_OPTIONS)
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        own = [
+            p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+            for p in inspect.signature(command, eval_str=True).parameters.values()
+            if p.name != "options"
+        ]
+        shared = [
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=TRANSCRIPTION_OPTIONS[name][0],
+                default=TRANSCRIPTION_OPTIONS[name][1],
+            )
+            for name in names
+        ]
+
+        @functools.wraps(command)
+        def run(**kwargs: Any) -> None:
+            flags = {name: kwargs.pop(name) for name in names}
+            try:
+                # Warnings about the options themselves as one line each, as the run's.
+                with _Terminal(quiet=kwargs.get("quiet", False), verbose=False).session():
+                    options = run_options(flags)
+            except WhisperCliError as exc:
+                raise _fail(exc, kwargs.get("debug", False)) from None
+            command(**kwargs, options=options)
+
+        # --help lists panels in the order of their first flag: the messages' last.
+        last = [p for p in own if p.name in MESSAGE_FLAGS]
+        first = [p for p in own if p.name not in MESSAGE_FLAGS]
+        signature = inspect.Signature([*first, *shared, *last])
+        run.__signature__ = signature  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()}
+        return run
+
+    return decorate
+
+
+def run_options(flags: dict[str, Any]) -> RunOptions:
+    """The RunOptions of transcription flags (those not given at their defaults).
+
+    The one place flags become options; it refuses, without a model, what is wrong or
+    contradictory (bad language, channel or temperature, --multilingual with --language).
     """
     from whisper_cli.audio import parse_channel
-    from whisper_cli.pipeline import TranscribeOptions, check_options
     from whisper_cli.tokenizer import language_code
 
-    options = TranscribeOptions(
-        language=None if a["language"] is None else language_code(a["language"]),
-        multilingual=a["multilingual"],
-        task=a["task"].value,
-        timestamps=not a["no_timestamps"],
-        batch_size=a["batch_size"],
-        max_new_tokens=a["max_new_tokens"],
-        initial_prompt=a["initial_prompt"],
-        channel=parse_channel(a["channel"]),
-        compile=use_compile(a["compile"], device_type),
-        vad=not a["no_vad"],
-        policy=_policy(a),
-        word_timestamps=a.get("word_timestamps", False),
-        latency=parse_latency(a.get("latency", "auto")),
+    f = {name: default for name, (_, default) in TRANSCRIPTION_OPTIONS.items()} | flags
+    decoding = TranscribeOptions(
+        language=None if f["language"] is None else language_code(f["language"]),
+        multilingual=f["multilingual"],
+        task=f["task"].value,
+        timestamps=not f["no_timestamps"],
+        batch_size=f["batch_size"],
+        max_new_tokens=f["max_new_tokens"],
+        initial_prompt=f["initial_prompt"],
+        channel=parse_channel(f["channel"]),
+        vad=not f["no_vad"],
+        policy=_policy(f),
+        word_timestamps=f["word_timestamps"],
     )
-    check_options(options)
+    subtitles = SubtitleOptions(
+        f["max_line_width"], f["max_line_count"], f["max_words_per_line"], f["highlight_words"]
+    )
+    options = RunOptions(
+        model=f["model"],
+        dtype=f["dtype"].value,
+        quantize=f["quantize"],
+        device=f["device"],
+        compile=f["compile"].value,
+        decoding=decoding,
+        fmt=f["fmt"].value,
+        subtitles=subtitles,
+    )
+    options.check()
     return options
 
 
-def _policy(a: dict[str, Any]) -> Policy:
-    """The policy of the options given (a usage error when they are invalid)."""
+def _policy(f: dict[str, Any]) -> Policy:
+    """The policy of the flags given (a usage error when they are invalid)."""
     try:
-        temperatures = tuple(float(t) for t in a["temperature"].split(","))
+        temperatures = tuple(float(t) for t in f["temperature"].split(","))
     except ValueError:
         raise WhisperCliError(
-            f"invalid --temperature {a['temperature']!r}: one number or a comma list"
+            f"invalid --temperature {f['temperature']!r}: one number or a comma list"
         ) from None
     try:
         return Policy(
-            vad_threshold=a["vad_threshold"],
-            vad_neg_threshold=max(a["vad_threshold"] - 0.15, 0.01),  # Silero's own rule
+            vad_threshold=f["vad_threshold"],
+            vad_neg_threshold=max(f["vad_threshold"] - 0.15, 0.01),  # Silero's own rule
             temperatures=temperatures,
-            no_speech_threshold=a["no_speech_threshold"],
-            logprob_threshold=a["logprob_threshold"],
-            compression_ratio_threshold=a["compression_ratio_threshold"],
+            no_speech_threshold=f["no_speech_threshold"],
+            logprob_threshold=f["logprob_threshold"],
+            compression_ratio_threshold=f["compression_ratio_threshold"],
         )
     except ValueError as exc:
         raise WhisperCliError(f"invalid option: {exc}") from None
@@ -496,59 +606,50 @@ def _policy(a: dict[str, Any]) -> Policy:
 def _load(model: str | None, policy, term: _Terminal):
     from whisper_cli.loading import load_model
 
-    if model is None:
-        model = default_model(policy.device.type)
     started = time.perf_counter()
     loaded = load_model(model, policy)
     term.info(
-        f"model {model} ({loaded.path}), dtype {policy.name}, "
+        f"model {loaded.name} ({loaded.path}), dtype {policy.name}, "
         f"device {policy.device} [{time.perf_counter() - started:.1f} s]"
     )
     return loaded
 
 
+# --- transcribe ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What `transcribe` is asked beside its transcription options."""
+
+    inputs: tuple[str, ...]
+    output_dir: Path | None
+    recursive: bool
+    skip_existing: bool
+    verbose: bool
+
+
 @app.command(cls=_Command, epilog=TRANSCRIBE_EXAMPLES)
+@takes_options()
 def transcribe(
     inputs: InputsArg,
-    fmt: FormatOpt = Format.txt,
     output_dir: OutputDirOpt = None,
     recursive: RecursiveOpt = False,
     skip_existing: SkipExistingOpt = False,
-    word_timestamps: WordTimestampsOpt = False,
-    max_line_width: MaxLineWidthOpt = None,
-    max_line_count: MaxLineCountOpt = None,
-    max_words_per_line: MaxWordsPerLineOpt = None,
-    highlight_words: HighlightWordsOpt = False,
-    channel: ChannelOpt = None,
-    model: ModelOpt = None,
-    dtype: DtypeOpt = Dtype.auto,
-    quantize: QuantizeOpt = "none",
-    device: DeviceOpt = "auto",
-    language: LanguageOpt = None,
-    multilingual: MultilingualOpt = False,
-    task: TaskOpt = Task.transcribe,
-    no_timestamps: NoTimestampsOpt = False,
-    max_new_tokens: MaxNewTokensOpt = 224,
-    initial_prompt: InitialPromptOpt = None,
-    temperature: TemperatureOpt = TEMPERATURES,
-    no_vad: NoVadOpt = False,
-    vad_threshold: VadThresholdOpt = Policy.vad_threshold,
-    no_speech_threshold: NoSpeechThresholdOpt = Policy.no_speech_threshold,
-    logprob_threshold: LogprobThresholdOpt = Policy.logprob_threshold,
-    compression_ratio_threshold: CompressionRatioThresholdOpt = Policy.compression_ratio_threshold,
-    batch_size: BatchSizeOpt = 16,
-    compile: CompileOpt = Compile.auto,
     latency: LatencyOpt = "auto",
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
     debug: DebugOpt = False,
+    *,
+    options: RunOptions,
 ) -> None:
     """Transcribe audio files (any format, any length) to text, subtitles or JSON."""
-    a = dict(locals())
+    request = _Request(tuple(inputs), output_dir, recursive, skip_existing, verbose)
     term = _Terminal(quiet=quiet, verbose=verbose)
     try:
+        options = options.with_latency(parse_latency(latency))
         with term.session():
-            code = _transcribe(a, term)
+            code = _transcribe(request, options, term)
     except _StdoutClosed:
         _silence_stdout()
         raise typer.Exit(EXIT_BROKEN_PIPE) from None
@@ -584,136 +685,149 @@ def _write_stdout(term: _Terminal, text: str) -> None:
         raise WhisperCliError(f"cannot write to stdout: {exc.strerror or exc}") from None
 
 
-def _transcribe(a: dict[str, Any], term: _Terminal) -> int:
+def _transcribe(request: _Request, options: RunOptions, term: _Terminal) -> int:
     from whisper_cli.inputs import expand_inputs
     from whisper_cli.outputs import OutputPlan
 
     started = time.perf_counter()
-    if a["quiet"] and a["verbose"]:
+    if term.quiet and term.verbose:
         raise WhisperCliError("--quiet and --verbose contradict each other; give one")
-    if a["inputs"].count("-") > 1:
+    if request.inputs.count("-") > 1:
         raise WhisperCliError("stdin (-) can be given only once")
-    expanded = expand_inputs(a["inputs"], a["recursive"])
+    expanded = expand_inputs(list(request.inputs), request.recursive)
     files = expanded.files
     n_inputs = len(files) + len(expanded.errors)
-    from whisper_cli.formats import SubtitleOptions
-
-    subtitles = SubtitleOptions(
-        a["max_line_width"], a["max_line_count"], a["max_words_per_line"], a["highlight_words"]
-    )
-    subtitles.check(a["word_timestamps"])
-    plan = OutputPlan.make(a["fmt"].value, a["output_dir"], files, n_inputs, subtitles)
+    plan = OutputPlan.make(options.fmt, request.output_dir, files, n_inputs, options.subtitles)
     plan.check_distinct([f.path for f in files])
     skipped = []
-    if a["skip_existing"]:
-        if a["output_dir"] is None:
+    if request.skip_existing:
+        if request.output_dir is None:
             raise WhisperCliError("--skip-existing needs --output-dir")
         skipped = [f for f in files if f.path != "-" and plan.is_done(f.path)]
         files = [f for f in files if f not in skipped]
     plan.prepare()  # output folders exist and take a file, before any work
-    try:
-        return _run(a, term, plan, expanded, files, skipped, started)
-    finally:
-        plan.remove_created()  # nothing was written there: leave no empty folder behind
-
-
-def _run(a, term: _Terminal, plan, expanded, files, skipped, started: float) -> int:
-    """The rest of _transcribe, once the output folders exist."""
     for path in dict.fromkeys(expanded.duplicates):
         term.info(f"{path} is named more than once; transcribed once")
     if skipped:
         term.info(f"skipping {len(skipped)} input(s) with existing outputs")
+    tally = _Tally(term, plan, request.verbose)
+    try:
+        _run(options, tally, expanded.errors, files)
+    finally:
+        plan.remove_created()  # nothing was written there: leave no empty folder behind
+    _check_interrupt()
+    tally.summary(n_inputs, len(skipped), time.perf_counter() - started)
+    return EXIT_INPUT_FAILED if tally.failed else EXIT_OK
 
+
+def _run(options: RunOptions, tally: _Tally, errors, files) -> None:
+    """Open every input (and so validate it) before the model loads, then decode them."""
     from whisper_cli.audio import open_audio
     from whisper_cli.dtypes import resolve_policy
     from whisper_cli.errors import InputError
 
-    policy = resolve_policy(a["dtype"].value, a["device"], a["quantize"])
-    options = transcribe_options(a, policy.device.type)
-    failures = 0
-
-    def on_error(err: WhisperCliError) -> None:
-        nonlocal failures
-        _check_interrupt()  # a read cut short by Ctrl-C is not a damaged file
-        failures += 1
-        term.error(err.message)
-
-    for err in expanded.errors:
-        on_error(err)
-    # Every input is opened (and so validated) before the model loads.
+    policy = resolve_policy(options.dtype, options.device, options.quantize)
+    decoding = options.for_device(policy.device.type)
+    for err in errors:
+        tally.error(err)
     sources = []
     for f in files:
         try:
-            sources.append(open_audio(f.path, options.channel, stdin=sys.stdin.buffer))
+            sources.append(open_audio(f.path, decoding.channel, stdin=sys.stdin.buffer))
         except InputError as err:
-            on_error(err)
-    written, files_written, audio_seconds = 0, 0, 0.0
-    n_inputs = len(expanded.files) + len(expanded.errors)
-    if sources:
-        loaded = _load(a["model"], policy, term)
-        from whisper_cli.outputs import OutputStream
-        from whisper_cli.pipeline import Transcriber
+            tally.error(err)
+    if not sources:
+        return
+    term = tally.term
+    known = all(s.info.duration for s in sources)
+    total = sum(s.info.duration or 0.0 for s in sources) if known else None
+    from whisper_cli.outputs import OutputStream
 
-        transcriber = Transcriber(loaded, options)
-        stream = OutputStream(
-            plan, [s.info.path for s in sources], lambda text: _write_stdout(term, text)
+    tally.stream = OutputStream(
+        tally.plan, [s.info.path for s in sources], lambda text: _write_stdout(term, text)
+    )
+    try:
+        with term.progress(len(sources), total):
+            loaded = _load(options.model, policy, term)
+            from whisper_cli.pipeline import Transcriber
+
+            transcriber = Transcriber(loaded, decoding)
+            tally.multilingual = loaded.tokenizer.is_multilingual
+            transcriber.run(
+                sources, tally.result, tally.input_error, term.update, on_segments=tally.segments
+            )
+    finally:
+        tally.stream.abort()  # interrupted or failed: no partial output file is left
+
+
+class _Tally:
+    """What transcribe shows and counts of each input as it ends; the closing line."""
+
+    def __init__(self, term: _Terminal, plan, verbose: bool) -> None:
+        self.term = term
+        self.plan = plan
+        self.verbose = verbose
+        self.multilingual = False
+        self.written = self.warned = self.failed = self.files_written = 0
+        self.audio_seconds = 0.0
+        self.stream = None  # the run's OutputStream, once its inputs are open
+
+    def error(self, err: WhisperCliError) -> None:
+        _check_interrupt()  # a read cut short by Ctrl-C is not a damaged file
+        self.failed += 1
+        self.term.error(err.message)
+
+    def input_error(self, err: WhisperCliError) -> None:
+        self.error(err)
+        if isinstance(err, InputError):
+            self.stream.drop(err.path)
+        self.term.file_done()
+
+    def segments(self, path: str, segments) -> None:
+        _check_interrupt()
+        if self.verbose:
+            for s in segments:
+                self.term.line(f"[{s.start:8.2f} --> {s.end:8.2f}] {s.text.strip()}")
+        self.stream.segments(path, segments)
+
+    def result(self, t) -> None:
+        _check_interrupt()
+        term = self.term
+        if t.language and self.multilingual:
+            prob = f" (p={t.language_probability:.2f})" if t.language_probability else ""
+            term.info(f"{t.path}: language {t.language}{prob}")
+        _show_warnings(term, t)
+        self.files_written += len(self.stream.finish(t))
+        self.written += 1
+        self.warned += bool(t.warnings)
+        self.audio_seconds += t.duration
+        term.file_done()
+
+    def summary(self, n_inputs: int, skipped: int, elapsed: float) -> None:
+        """A run with several inputs counts them; one that writes files says what it wrote
+        (otherwise a single input with -o would end without a word)."""
+        if n_inputs > 1:
+            parts = [f"{self.written} written"]
+            parts += [f"{self.warned} with warnings"] if self.warned else []
+            parts.append(f"{self.failed} failed")
+            parts += [f"{skipped} skipped"] if skipped else []
+        elif self.plan.output_dir is not None:
+            n = self.files_written
+            parts = [f"wrote {n} file{'' if n == 1 else 's'}"]
+        else:
+            return
+        self.term.info(
+            f"{', '.join(parts)}, {_duration(self.audio_seconds)} of audio in {_duration(elapsed)}"
         )
 
-        def on_segments(path: str, segments) -> None:
-            _check_interrupt()
-            if a["verbose"]:
-                for s in segments:
-                    term.line(f"[{s.start:8.2f} --> {s.end:8.2f}] {s.text.strip()}")
-            stream.segments(path, segments)
 
-        def on_result(t) -> None:
-            nonlocal written, files_written, audio_seconds
-            _check_interrupt()
-            if t.language and loaded.tokenizer.is_multilingual:
-                prob = f" (p={t.language_probability:.2f})" if t.language_probability else ""
-                term.info(f"{t.path}: language {t.language}{prob}")
-            for note in t.notes:
-                term.warning(f"{t.path}: {note}")
-            if not t.segments and not t.notes:
-                term.info(f"{t.path}: no speech found")
-            files_written += len(stream.finish(t))
-            written += 1
-            audio_seconds += t.duration
-            term.file_done()
-
-        def on_input_error(err: WhisperCliError) -> None:
-            on_error(err)
-            if isinstance(err, InputError):
-                stream.drop(err.path)
-            term.file_done()
-
-        total = sum(s.info.duration or 0.0 for s in sources)
-        try:
-            with term.progress(
-                len(sources), total if all(s.info.duration for s in sources) else None
-            ):
-                transcriber.run(
-                    sources, on_result, on_input_error, term.update, on_segments=on_segments
-                )
-        finally:
-            stream.abort()  # interrupted or failed: no partial output file is left
-    _check_interrupt()
-    # A run with several inputs counts them; one that writes files says what it wrote
-    # (otherwise a single input with -o would end without a word).
-    if n_inputs > 1:
-        parts = [f"{written} written", f"{failures} failed"]
-        if skipped:
-            parts.append(f"{len(skipped)} skipped")
-    elif plan.output_dir is not None:
-        parts = [f"wrote {files_written} file{'' if files_written == 1 else 's'}"]
-    else:
-        parts = []
-    if parts:
-        term.info(
-            f"{', '.join(parts)}, {_duration(audio_seconds)} of audio "
-            f"in {_duration(time.perf_counter() - started)}"
-        )
-    return EXIT_INPUT_FAILED if failures else EXIT_OK
+def _show_warnings(term: _Terminal, t) -> None:
+    """The transcript's warnings on stderr (no speech is news, not a fault: an info line)."""
+    for w in t.warnings:
+        if w.code == "no_speech":
+            term.info(f"{t.path}: {w.message}")
+        else:
+            term.warning(f"{t.path}: {w.message}")
 
 
 def _duration(seconds: float) -> str:
@@ -744,6 +858,7 @@ class _Terminal:
         self.bar = None
         self._task = None
         self._files = (0, 0)  # done, total
+        self._stage = "loading model"  # until the pipeline reports its own (Progress.stage)
         self._last = None  # the latest pipeline Progress
 
     # -- messages -----------------------------------------------------------------------
@@ -795,13 +910,20 @@ class _Terminal:
             yield
             return
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
         self._files = (0, n_files)
         self._total = total
         tty = os.fdopen(os.dup(sys.stderr.fileno()), "w", encoding="utf-8", errors="replace")
         try:
             bar = Progress(
+                SpinnerColumn(),
                 TextColumn("{task.description}"),
                 BarColumn(),
                 TextColumn("{task.fields[audio]}"),
@@ -824,6 +946,8 @@ class _Terminal:
 
     def _description(self) -> str:
         done, n = self._files
+        if self._stage != "transcribing":
+            return self._stage
         return f"transcribing {done}/{n} files" if n > 1 else "transcribing"
 
     def _fields(self, done: float, elapsed: float) -> dict[str, str]:
@@ -834,6 +958,7 @@ class _Terminal:
     def update(self, p) -> None:
         _check_interrupt()
         self._last = p
+        self._stage = p.stage
         if self.bar is not None:
             self.bar.update(
                 self._task,
@@ -867,74 +992,85 @@ class Engine(str, Enum):
     ray = "ray"
 
 
+ManifestArg = Annotated[
+    str,
+    typer.Argument(
+        help="A directory (searched recursively), a text file of paths, or JSONL with "
+        '"path" and optional "language"/"task"/"output"; a local path or an fsspec URL.'
+    ),
+]
+BatchOutputDirOpt = Annotated[
+    Path,
+    typer.Option(
+        "--output-dir",
+        "-o",
+        help="Write each input's files below DIR, as the manifest's tree holds it "
+        "(a/x.wav: DIR/a/x.<ext>), and DIR/summary.jsonl.",
+        rich_help_panel=PANEL_IO,
+    ),
+]
+EngineOpt = Annotated[
+    Engine, typer.Option(help="local: in this process; ray: a pool of Ray actors.")
+]
+RayAddressOpt = Annotated[
+    str | None,
+    typer.Option(help="auto or HOST:PORT of a running cluster; default: a local one."),
+]
+WorkersOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help="Ray actors, each loading the model once; default: one per G GPUs of the "
+        "cluster, or one per node without GPUs.",
+    ),
+]
+GpusPerWorkerOpt = Annotated[
+    float | None,
+    typer.Option(
+        min=0, help="G: GPUs per actor (0.5: two share one); default 1 where there are GPUs."
+    ),
+]
+ShardOpt = Annotated[
+    str | None,
+    typer.Option(help="I/N: only part I of N (0-based) of the manifest, stable by path."),
+]
+
+
 @app.command(cls=_Command)
+@takes_options()
 def batch(
-    manifest: Annotated[
-        str,
-        typer.Argument(
-            help="A directory (searched recursively), a text file of paths, or JSONL with "
-            '"path" and optional "language"/"task"/"output"; a local path or an fsspec URL.'
-        ),
-    ],
-    output_dir: Annotated[
-        Path,
-        typer.Option(
-            "--output-dir",
-            "-o",
-            help="Write each input's files below DIR, as the manifest's tree holds it "
-            "(a/x.wav: DIR/a/x.<ext>), and DIR/summary.jsonl.",
-        ),
-    ],
-    engine: Annotated[
-        Engine, typer.Option(help="local: in this process; ray: a pool of Ray actors.")
-    ] = Engine.local,
-    ray_address: Annotated[
-        str | None,
-        typer.Option(help="auto or HOST:PORT of a running cluster; default: a local one."),
-    ] = None,
-    workers: Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            help="Ray actors, each loading the model once; default: one per G GPUs of the "
-            "cluster, or one per node without GPUs.",
-        ),
-    ] = None,
-    gpus_per_worker: Annotated[
-        float | None,
-        typer.Option(
-            min=0, help="G: GPUs per actor (0.5: two share one); default 1 where there are GPUs."
-        ),
-    ] = None,
-    shard: Annotated[
-        str | None,
-        typer.Option(help="I/N: only part I of N (0-based) of the manifest, stable by path."),
-    ] = None,
-    model: ModelOpt = None,
-    dtype: DtypeOpt = Dtype.auto,
-    device: DeviceOpt = "auto",
-    language: LanguageOpt = None,
-    multilingual: MultilingualOpt = False,
-    task: TaskOpt = Task.transcribe,
-    no_timestamps: NoTimestampsOpt = False,
-    batch_size: BatchSizeOpt = 16,
-    max_new_tokens: MaxNewTokensOpt = 224,
-    initial_prompt: InitialPromptOpt = None,
-    channel: ChannelOpt = None,
-    fmt: FormatOpt = Format.txt,
-    compile: CompileOpt = Compile.auto,
-    temperature: TemperatureOpt = TEMPERATURES,
-    no_vad: NoVadOpt = False,
-    vad_threshold: VadThresholdOpt = Policy.vad_threshold,
-    no_speech_threshold: NoSpeechThresholdOpt = Policy.no_speech_threshold,
-    logprob_threshold: LogprobThresholdOpt = Policy.logprob_threshold,
-    compression_ratio_threshold: CompressionRatioThresholdOpt = Policy.compression_ratio_threshold,
+    manifest: ManifestArg,
+    output_dir: BatchOutputDirOpt,
+    engine: EngineOpt = Engine.local,
+    ray_address: RayAddressOpt = None,
+    workers: WorkersOpt = None,
+    gpus_per_worker: GpusPerWorkerOpt = None,
+    shard: ShardOpt = None,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
+    *,
+    options: RunOptions,
 ) -> None:
     """Transcribe a manifest into a directory: resumable, shardable, locally or on Ray."""
+    from whisper_cli.batch import BatchConfig, parse_shard
+
     try:
-        code = _batch(**locals())
+        config = BatchConfig(
+            manifest=manifest,
+            output_dir=output_dir,
+            fmt=options.fmt,
+            model=options.model,
+            dtype=options.dtype,
+            quantize=options.quantize,
+            device=options.device,
+            engine=engine.value,
+            ray_address=ray_address,
+            workers=workers,
+            gpus_per_worker=gpus_per_worker,
+            shard=parse_shard(shard) if shard is not None else None,
+            subtitles=options.subtitles,
+        )
+        code = _batch(config, options, quiet)
     except WhisperCliError as exc:
         raise _fail(exc, debug) from None
     except KeyboardInterrupt:
@@ -943,44 +1079,27 @@ def batch(
     raise typer.Exit(code)
 
 
-def _batch(**a) -> int:
-    from whisper_cli.batch import BatchConfig, parse_shard, run_batch
-
-    config = BatchConfig(
-        manifest=a["manifest"],
-        output_dir=a["output_dir"],
-        fmt=a["fmt"].value,
-        model=a["model"],
-        dtype=a["dtype"].value,
-        device=a["device"],
-        engine=a["engine"].value,
-        ray_address=a["ray_address"],
-        workers=a["workers"],
-        gpus_per_worker=a["gpus_per_worker"],
-        shard=parse_shard(a["shard"]) if a["shard"] is not None else None,
-    )
-    quiet = a["quiet"]
+def _batch(config, options: RunOptions, quiet: bool) -> int:
+    from whisper_cli.batch import run_batch
 
     def on_record(record) -> None:
         _check_interrupt()
         if record.status == "failed":
             _stderr(f"whisper-cli: error: {record.error}")
+        for w in record.warnings if not quiet else ():
+            kind = "" if w.code == "no_speech" else "warning: "
+            _stderr(f"whisper-cli: {kind}{record.path}: {w.message}")
 
     def log(message: str) -> None:
         if not quiet:
             _stderr(f"whisper-cli: {message}")
 
     with _batch_progress(quiet) as on_progress:
-        report = run_batch(
-            config,
-            lambda device_type: transcribe_options(a, device_type),
-            on_record,
-            on_progress,
-            log,
-        )
+        report = run_batch(config, options.for_device, on_record, on_progress, log)
     _check_interrupt()
+    warned = f"{report.with_warnings} with warnings, " if report.with_warnings else ""
     log(
-        f"{report.processed - report.failed} written, {report.failed} failed, "
+        f"{report.processed - report.failed} written, {warned}{report.failed} failed, "
         f"{report.skipped} already done, {_duration(report.audio_seconds)} of audio "
         f"in {_duration(report.elapsed)}; summary: {report.summary}"
     )
@@ -1054,19 +1173,21 @@ def convert(
     _stderr(f"whisper-cli: wrote {dst}")
 
 
-@app.command(name="eval")
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON.")]
+
+
+@app.command(name="eval", cls=_Command)
+@takes_options(*EVAL_OPTIONS)
 def eval_command(
     manifest: Annotated[Path, typer.Argument(help="Manifest JSON (clips with references).")],
-    model: ModelOpt = None,
     dtype: Annotated[
         str, typer.Option(help="auto, f32, f16, bf16, or all (f32, f16 and bf16).")
     ] = "f32",
     quantize: QuantizeOpt = "none",
-    device: DeviceOpt = "auto",
-    batch_size: Annotated[int, typer.Option(min=1)] = 16,
-    vad: Annotated[bool, typer.Option(help="The speech map on (default) or off.")] = True,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+    json_out: JsonOpt = False,
+    debug: DebugOpt = False,
+    *,
+    options: RunOptions,
 ) -> None:
     """Word error rate (pooled over the clips) of a manifest, per dtype."""
     import json
@@ -1077,11 +1198,11 @@ def eval_command(
         with _Terminal(quiet=False, verbose=False).session():
             report = evaluate(
                 manifest,
-                model,
+                options.model,
                 dtype.split(","),
-                device=device,
-                batch_size=batch_size,
-                vad=vad,
+                device=options.device,
+                batch_size=options.decoding.batch_size,
+                vad=options.decoding.vad,
                 quantize=quantize,
             )
     except WhisperCliError as exc:
@@ -1089,10 +1210,9 @@ def eval_command(
     print(json.dumps(report_to_json(report), indent=2) if json_out else render_table(report))
 
 
-@app.command()
+@app.command(cls=_Command)
+@takes_options(*BENCH_OPTIONS)
 def bench(
-    model: ModelOpt = None,
-    batch_size: Annotated[int, typer.Option(min=1)] = 16,
     dtype: Annotated[str, typer.Option(help="auto, f32, f16, bf16, or all.")] = "auto",
     quantize: QuantizeOpt = "none",
     audio: Annotated[
@@ -1101,41 +1221,34 @@ def bench(
     duration: Annotated[
         float | None, typer.Option(help="Tile the audio to this many seconds.")
     ] = None,
-    max_new_tokens: Annotated[int, typer.Option(min=1)] = 128,
-    compile: CompileOpt = Compile.auto,
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs; the median is shown.")] = 3,
-    timestamps: Annotated[bool, typer.Option(help="Timestamp mode (the default).")] = True,
-    word_timestamps: Annotated[
-        bool, typer.Option(help="Also time words (the alignment pass's cost).")
-    ] = False,
-    vad: Annotated[bool, typer.Option(help="The speech map on (default) or off.")] = True,
     against: Annotated[
         str | None, typer.Option(help="transformers: also run the reference and compare.")
     ] = None,
-    device: DeviceOpt = "auto",
-    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+    threads: Annotated[
+        int | None, typer.Option(min=1, help="torch threads; default: torch's choice.")
+    ] = None,
+    timeout: Annotated[float | None, typer.Option(help="Seconds per configuration.")] = None,
+    json_out: JsonOpt = False,
+    debug: DebugOpt = False,
+    *,
+    options: RunOptions,
 ) -> None:
     """Speed and memory, reproducibly, optionally beside the transformers reference."""
     import json
 
     from whisper_cli.tools.bench import BenchConfig, render_table, report_to_json, run_bench
 
-    config = BenchConfig(
-        model=model,
+    config = BenchConfig.of(
+        options,
         dtypes=tuple(dtype.split(",")),
         quantize=quantize,
-        batch_size=batch_size,
         audio=audio,
         duration=duration,
-        max_new_tokens=max_new_tokens,
-        compile=compile.value,
         repeats=repeats,
-        timestamps=timestamps,
-        word_timestamps=word_timestamps,
-        vad=vad,
         against=against,
-        device=device,
+        threads=threads,
+        timeout_s=timeout,
     )
     try:
         with _Terminal(quiet=False, verbose=False).session():

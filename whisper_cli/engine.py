@@ -7,13 +7,16 @@ It is the one place that knows eager from compiled:
   shape, padded with silent rows; the caches and the state are buffers made once and
   refilled in place per batch, so the step compiles once and replays.
 The host reads the device only every `sync_every` steps (has every row finished?) and
-for the repetition guard. Counters say what ran: encoder passes, steps, rows, graphs,
-recompiles and CUDA-graph skips, so tools measure through them instead of patching.
+for the repetition guard; a caller that watches the decode (`on_rows`) is told each row's
+latest timestamp in the same read, at most every PROGRESS_SECONDS. Counters say what
+ran: encoder passes, steps, rows, graphs, recompiles and CUDA-graph skips, so tools
+measure through them instead of patching.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +27,16 @@ from whisper_cli.dtypes import encoder_input, f32_log_softmax
 from whisper_cli.loading import LoadedModel
 from whisper_cli.model import KV, DecodeCaches
 from whisper_cli.rules import Rules
+from whisper_cli.tokenizer import TIME_PRECISION
 
 CACHE_MULTIPLE = 16  # self-attention cache length rounded up to this (aligned tiles)
+# Wall seconds between two reports to `on_rows`: a progress display needs no more, and a
+# report is a wider read at a sync point the loop makes anyway, never a sync of its own.
+PROGRESS_SECONDS = 0.25
+
+# What `on_rows` gets: batch row -> seconds into its window of its latest timestamp (0.0
+# before the first one), or None once the row has finished.
+RowPositions = dict[int, float | None]
 
 
 @dataclass
@@ -153,6 +164,7 @@ class Engine:
         speech_after: torch.Tensor | None = None,
         temperatures: list[float] | None = None,
         seeds: list[int] | None = None,
+        on_rows: Callable[[RowPositions], None] | None = None,
     ) -> list[DecodedRow]:
         """Decode the first len(languages) rows of a batch of encoder outputs (B, S, C);
         rows after them are padding (see rows_for).
@@ -163,6 +175,7 @@ class Engine:
         temperatures: per row; 0 is greedy, above 0 draws from softmax(logits / T) at
         uniforms hashed from the row's seed (`seeds`) and step, so a row's text does not
         depend on the other rows of its batch.
+        on_rows: told where the real rows still decoding stand (see RowPositions).
         """
         started = self._start()
         n, b = len(languages), features.shape[0]
@@ -214,11 +227,16 @@ class Engine:
         o = self.options
         # Dynamo's counters only where it runs (importing it costs an eager run time).
         graphs_before = _dynamo_counts() if self.compile else None
+        next_report = time.perf_counter() if on_rows is not None else None
         for i in range(1, self.max_new):  # i tokens sampled so far
             if i % o.loop_check_every == 0:
                 decoding.stop_loops(state, i, o, self.special.timestamp_begin)
             if i % self.sync_every == 0:
-                n_active = int((~state.finished).sum())
+                if next_report is not None and time.perf_counter() >= next_report:
+                    n_active = self._report_rows(state, rows, n, on_rows)
+                    next_report = time.perf_counter() + PROGRESS_SECONDS
+                else:
+                    n_active = int((~state.finished).sum())
                 if n_active == 0:
                     break
                 if self.shrink and n_active <= 0.75 * len(rows):
@@ -247,6 +265,21 @@ class Engine:
         self.counters.decoded_rows += b
         self.counters.decode_s += self._stop(started)
         return results[:n]
+
+    def _report_rows(
+        self, state: DecodeState, rows: torch.Tensor, n: int, on_rows: Callable
+    ) -> int:
+        """Tell on_rows where the real rows stand; returns the rows still active. One read
+        of the device, in place of the count the loop reads at this step anyway."""
+        begin = self.special.timestamp_begin
+        latest = state.max_timestamp(begin)
+        read = torch.stack([rows, state.finished.long(), latest]).tolist()
+        positions: RowPositions = {}
+        for row, finished, token in zip(*read, strict=True):
+            if row < n:
+                positions[row] = None if finished else max(token - begin, 0) * TIME_PRECISION
+        on_rows(positions)
+        return sum(1 for finished in read[1] if not finished)
 
     def cross_kv(self, features: torch.Tensor) -> list[KV] | None:
         """The cross K/V of the whole latest batch, per layer, if it was `features` and

@@ -408,6 +408,7 @@ def _transcript_fields(transcript: Transcript) -> dict[str, Any]:
         "timings": {
             name: _number(value, _TIME_DECIMALS) for name, value in transcript.timings.items()
         },
+        "warnings": [{"code": w.code, "message": w.message} for w in transcript.warnings],
     }
 
 

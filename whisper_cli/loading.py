@@ -19,6 +19,7 @@ from whisper_cli.config import MULTILINGUAL_VOCAB_SIZE, GenerationConfig, ModelC
 from whisper_cli.dtypes import DtypePolicy, cast_weight, ieee_float32
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.model import Whisper
+from whisper_cli.options import default_model
 from whisper_cli.tokenizer import Tokenizer
 
 ALIASES: dict[str, str] = {
@@ -211,8 +212,12 @@ class LoadedModel:
     name: str
 
 
-def load_model(name: str, policy: DtypePolicy) -> LoadedModel:
-    """Resolve, read and build a model in the policy's dtype and device."""
+def load_model(name: str | None, policy: DtypePolicy) -> LoadedModel:
+    """Resolve, read and build a model in the policy's dtype and device; no name: the
+    default model of that device (options.default_model), decided here and nowhere else
+    on the transcription path, so a Ray worker picks the default of its own device."""
+    if name is None:
+        name = default_model(policy.device.type)
     model_dir = resolve_model(name)
     config = ModelConfig.load(model_dir)
     generation = GenerationConfig.load(model_dir)

@@ -9,15 +9,20 @@ the clips the tests assert on.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from whisper_cli.errors import WhisperCliError
+from whisper_cli.formats import SubtitleOptions
+
+TASKS = ("transcribe", "translate")
 
 
 def default_model(device_type: str) -> str:
     """The model of a run that names none: turbo on CUDA, base otherwise.
 
-    The one place this is decided: transcribe, batch, bench and eval all ask here.
+    Asked where a model is loaded (loading.load_model, for the device it loads on), and
+    by bench, which names the model of each child before the child starts.
     """
     return "turbo" if device_type == "cuda" else "base"
 
@@ -185,3 +190,54 @@ class TranscribeOptions:
     def __post_init__(self) -> None:
         if self.latency is not None and not self.latency >= 0:
             raise ValueError("latency must be >= 0 seconds")
+
+
+def check_options(options: TranscribeOptions) -> None:
+    """Run-level checks that need no model (the CLI makes them before loading one)."""
+    if options.task not in TASKS:
+        raise WhisperCliError(f"invalid task {options.task!r}; choose transcribe or translate")
+    if options.batch_size < 1:
+        raise WhisperCliError("--batch-size must be at least 1")
+    if options.max_new_tokens < 1:
+        raise WhisperCliError("--max-new-tokens must be at least 1")
+    if options.language is not None and options.multilingual:
+        raise WhisperCliError(
+            f"--multilingual detects the language of every window; it contradicts "
+            f"--language {options.language}"
+        )
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Every option of a transcription as a command line gives it, before any device is
+    known: built once from the flags that transcribe, batch, bench and eval share.
+
+    `decoding` holds the pipeline's options but for `compile`, which depends on the
+    device: `for_device` resolves it from the `compile` choice here.
+    """
+
+    model: str | None = None  # None: default_model of the device the model loads on
+    dtype: str = "auto"
+    quantize: str = "none"  # one of dtypes.QUANTIZE_CHOICES
+    device: str = "auto"
+    compile: str = "auto"  # one of COMPILE_CHOICES
+    decoding: TranscribeOptions = TranscribeOptions()
+    fmt: str = "txt"  # one format of formats.FORMATS, or "all"
+    subtitles: SubtitleOptions = dataclasses.field(default_factory=SubtitleOptions)
+
+    def check(self) -> None:
+        """Everything that can be refused without a model (a WhisperCliError)."""
+        if self.compile not in COMPILE_CHOICES:
+            raise WhisperCliError(f"invalid --compile {self.compile!r}; choose auto, on or off")
+        check_options(self.decoding)
+        self.subtitles.check(self.decoding.word_timestamps)
+
+    def with_latency(self, latency: float | None) -> RunOptions:
+        """These options with TranscribeOptions.latency set (transcribe's --latency)."""
+        return dataclasses.replace(
+            self, decoding=dataclasses.replace(self.decoding, latency=latency)
+        )
+
+    def for_device(self, device_type: str) -> TranscribeOptions:
+        """The pipeline's options on a device type ("cpu", "cuda")."""
+        return dataclasses.replace(self.decoding, compile=use_compile(self.compile, device_type))

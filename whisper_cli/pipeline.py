@@ -18,6 +18,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -30,8 +31,9 @@ from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.features import batch_log_mel
 from whisper_cli.judge import Judgement, judge
 from whisper_cli.loading import LoadedModel
-from whisper_cli.options import Policy, TranscribeOptions, run_latency
-from whisper_cli.results import Segment, Transcript
+from whisper_cli.options import Policy, TranscribeOptions, check_options, run_latency
+from whisper_cli.progress import FINDING_SPEECH, Progress, Reporter
+from whisper_cli.results import Segment, Transcript, TranscriptWarning
 from whisper_cli.scheduler import Counters, Failed, Finished, Job, Scheduler, Settled, Track
 from whisper_cli.segments import attach_words
 from whisper_cli.speech import FRAME_SECONDS, load_detector
@@ -39,18 +41,7 @@ from whisper_cli.timing import Aligner, AlignRow
 from whisper_cli.tokenizer import TIME_PRECISION
 from whisper_cli.windows import WindowCutter
 
-__all__ = ["Counters", "Policy", "Progress", "TranscribeOptions", "Transcriber"]
-
-TASKS = ("transcribe", "translate")
-
-
-@dataclass(frozen=True)
-class Progress:
-    """What the pipeline reports after each batch."""
-
-    audio_done: float  # seconds of audio decoded so far
-    audio_total: float  # seconds of audio in all inputs (known durations)
-    elapsed: float
+__all__ = ["Counters", "Policy", "Progress", "TranscribeOptions", "Transcriber", "check_options"]
 
 
 @dataclass
@@ -65,23 +56,10 @@ class _Result:
         """Every segment of its final windows so far."""
         return self.settled + [s for segs in self.pending.values() for s in segs]
 
-    # Text the guards or limits cut, reported as the transcript's notes (see _notes).
+    # Text the guards or limits cut, reported as the transcript's warnings (_cut_warnings).
     hit_max_tokens: int = 0  # windows that used all of max_new_tokens without ending
     looped: int = 0  # windows that looped at every temperature (cut by the guard)
     too_repetitive: int = 0  # segments dropped above compression_ratio_threshold
-
-
-def check_options(options: TranscribeOptions) -> None:
-    """Run-level checks that need no model (the CLI makes them before loading one)."""
-    if options.task not in TASKS:
-        raise WhisperCliError(f"invalid task {options.task!r}; choose transcribe or translate")
-    if options.batch_size < 1:
-        raise WhisperCliError("--batch-size must be at least 1")
-    if options.language is not None and options.multilingual:
-        raise WhisperCliError(
-            f"--multilingual detects the language of every window; it contradicts "
-            f"--language {options.language}"
-        )
 
 
 def validate_options(loaded: LoadedModel, options: TranscribeOptions) -> None:
@@ -144,6 +122,7 @@ class Transcriber:
         self.rows = options.batch_size  # halved for the rest of the run on out-of-memory
         self.counters = Counters()
         self._results: list[_Result] = []  # per input of the run in progress
+        self._reporter = Reporter(None, 0.0, lambda: 0.0)  # the run in progress's
 
     # -- public API ----------------------------------------------------------------
 
@@ -181,8 +160,8 @@ class Transcriber:
                 )
             except InputError as exc:
                 on_error(exc)
-        total = sum(s.info.duration or 0.0 for s in sources)
-        started = time.perf_counter()
+        known = all(s.info.duration for s in sources)
+        total = sum(s.info.duration or 0.0 for s in sources) if known else 0.0
         self._results = [_Result() for _ in sources]
         latency = run_latency(self.options.latency, any(s.live for s in sources))
         scheduler = Scheduler(
@@ -213,12 +192,13 @@ class Transcriber:
                 elif isinstance(event, Finished):
                     on_result(self._finish(event.track))
 
+        self._reporter = reporter = Reporter(on_progress, total, scheduler.audio_done)
+        reporter.enter(FINDING_SPEECH)
         for batch in scheduler.batches():
             report()  # inputs with no speech, or unreadable, met while the batch was filled
             scheduler.settle(batch, self._decode_batch(batch))
             report()
-            if on_progress:
-                on_progress(Progress(scheduler.audio_done(), total, time.perf_counter() - started))
+            reporter.settled()
         report()
 
     def _decode_batch(self, batch: list[Job]) -> list[Job]:
@@ -227,10 +207,14 @@ class Transcriber:
         Returns the jobs to decode again at their next temperature."""
         again: list[Job] = []
         done = 0
+        # Each window counts once towards progress: at its first attempt.
+        self._reporter.batch(
+            [j.window.duration if j.attempt == 0 and j.ahead_of is None else None for j in batch]
+        )
         while done < len(batch):
             chunk = batch[done : done + self.rows]
             try:
-                again += self._decode_rows(chunk)
+                again += self._decode_rows(chunk, done)
             except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError in newer torch
                 if self.rows == 1:
                     raise WhisperCliError("out of memory with a batch of one window") from None
@@ -286,14 +270,18 @@ class Transcriber:
             )
         return torch.from_numpy(table).to(self.loaded.policy.device)
 
-    def _decode_rows(self, batch: list[Job]) -> list[Job]:
+    def _decode_rows(self, batch: list[Job], offset: int = 0) -> list[Job]:
+        """offset: where these rows lie in the scheduler's batch (for progress)."""
+        reporter = self._reporter
+        reporter.encoding()
         features = self._encode(batch)
         self.counters.batches += 1
         languages = self._languages(batch, features)
         temperatures = [self.policy.temperatures[j.attempt] for j in batch]
         seeds = [self._seed(j) for j in batch]
+        watch = None if reporter.on_progress is None else partial(reporter.rows, offset)
         rows = self.engine.decode(
-            features, languages, self._speech_after(batch), temperatures, seeds
+            features, languages, self._speech_after(batch), temperatures, seeds, watch
         )
         # Attempts decoded ahead: (their job, attempt) -> row.
         ahead = {
@@ -453,28 +441,48 @@ class Transcriber:
             model=self.loaded.name,
             dtype=dtype_name(self.loaded.policy.dtype),
             timings={"wall": round(time.perf_counter() - track.started, 3)},
-            notes=self._notes(result, track.windows),
+            warnings=self._warnings(track, result, segments),
         )
 
-    def _notes(self, result: _Result, windows: int) -> tuple[str, ...]:
-        """What the user should know was cut from this transcript (none: nothing was)."""
-        o, p, notes = self.options, self.policy, []
+    def _warnings(
+        self, track: Track, result: _Result, segments: tuple[Segment, ...]
+    ) -> tuple[TranscriptWarning, ...]:
+        """What the reader should know: the input's own (audio.py), then what was cut."""
+        cut = self._cut_warnings(result, track.windows)
+        found = [*getattr(track.source, "warnings", ()), *cut]
+        if not segments and not cut:
+            found.append(TranscriptWarning("no_speech", "no speech found"))
+        return tuple(found)
+
+    def _cut_warnings(self, result: _Result, windows: int) -> list[TranscriptWarning]:
+        """What was cut from this transcript (none: nothing was)."""
+        o, p, found = self.options, self.policy, []
         if result.hit_max_tokens:
-            notes.append(
-                f"{result.hit_max_tokens} of {windows} window(s) reached --max-new-tokens "
-                f"{o.max_new_tokens} before their end; the text after that is missing"
+            found.append(
+                TranscriptWarning(
+                    "text_cut",
+                    f"{result.hit_max_tokens} of {windows} window(s) reached --max-new-tokens "
+                    f"{o.max_new_tokens} before their end; the text after that is missing",
+                )
             )
         if result.looped:
-            notes.append(
-                f"{result.looped} window(s) kept repeating themselves at every temperature and "
-                "were cut by the repetition guard; the rest of those windows is missing"
+            found.append(
+                TranscriptWarning(
+                    "looped",
+                    f"{result.looped} window(s) kept repeating themselves at every "
+                    "temperature and were cut by the repetition guard; the rest of those "
+                    "windows is missing",
+                )
             )
         if result.too_repetitive:
-            notes.append(
-                f"{result.too_repetitive} segment(s) dropped as repetitive (above "
-                f"--compression-ratio-threshold {p.compression_ratio_threshold:g})"
+            found.append(
+                TranscriptWarning(
+                    "repetitive",
+                    f"{result.too_repetitive} segment(s) dropped as repetitive (above "
+                    f"--compression-ratio-threshold {p.compression_ratio_threshold:g})",
+                )
             )
-        return tuple(notes)
+        return found
 
 
 def speech_after_timestamps(

@@ -4,6 +4,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# What a TranscriptWarning's code says (stable names: scripts filter on them).
+WARNING_CODES = (
+    "truncated",  # the audio ends before its header says; what is there was transcribed
+    "non_finite",  # NaN or infinite samples were replaced by silence
+    "text_cut",  # windows reached --max-new-tokens before their end
+    "looped",  # windows looped at every temperature and were cut by the repetition guard
+    "repetitive",  # segments dropped above --compression-ratio-threshold
+    "no_speech",  # no text at all: no speech found
+)
+
+
+@dataclass(frozen=True)
+class TranscriptWarning:
+    """Something the reader of a transcript should know that did not stop it.
+
+    Made once where it is found (audio.py for the input, the pipeline for the decode);
+    the CLI's stderr lines, json/jsonl and batch's summary.jsonl all read it from here.
+    """
+
+    code: str  # one of WARNING_CODES
+    message: str  # one sentence, without the input's name
+
 
 @dataclass(frozen=True)
 class Word:
@@ -46,6 +68,5 @@ class Transcript:
     model: str = ""
     dtype: str = ""
     timings: dict[str, float] = field(default_factory=dict)
-    # Text the run's limits or guards cut (--max-new-tokens, the repetition and
-    # compression-ratio guards), one sentence each; empty when nothing was cut.
-    notes: tuple[str, ...] = ()
+    # What the input or the decode lost or could not give, in the order it was found.
+    warnings: tuple[TranscriptWarning, ...] = ()

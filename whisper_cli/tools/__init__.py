@@ -1,7 +1,7 @@
 """Tools around the engine: they measure it or feed it, and are never part of a transcription.
 
 * `bench`     - speed and memory per model x dtype, each configuration in a child process
-                (`python -m whisper_cli.tools.bench`, also the plain CLI scripts use).
+                (`python -m whisper_cli.tools.bench --child`: what `whisper-cli bench` runs).
 * `evaluate`  - word (or character) error rate of a manifest of reference transcripts.
 * `reference` - transformers' Whisper on the same windows, the reference `bench` compares to.
 * `convert`   - the CTranslate2 (faster-whisper) importer into the Hugging Face layout.

@@ -43,7 +43,13 @@ from whisper_cli.allocator import keep_freed_memory
 from whisper_cli.dtypes import check_quantize, expand_dtypes, resolve_device
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.features import N_SAMPLES, SAMPLE_RATE
-from whisper_cli.options import COMPILE_CHOICES, default_model, use_compile
+from whisper_cli.options import (
+    COMPILE_CHOICES,
+    RunOptions,
+    TranscribeOptions,
+    default_model,
+    use_compile,
+)
 
 REFERENCES = ("transformers",)
 BENCH_PATH = "<bench audio>"  # the name the pipeline sees for the served audio
@@ -70,7 +76,7 @@ class BenchConfig:
     batch_size: int = 16
     audio: str | None = None  # a file, or a .npy float32 16 kHz array; None: default speech
     duration: float | None = None  # tile (or cut) the audio to this many seconds
-    max_new_tokens: int = 128
+    max_new_tokens: int = TranscribeOptions.max_new_tokens  # what transcribe decodes
     compile: str = "auto"  # auto: on for CUDA, off on CPU
     repeats: int = 3  # timed runs after the warm-up; the median is reported
     timestamps: bool = True
@@ -81,6 +87,25 @@ class BenchConfig:
     language: str | None = None  # None: detected per input, as the CLI does
     threads: int | None = None  # torch intra-op threads in the child; None: torch's default
     timeout_s: float | None = None  # per configuration (child process)
+
+    @classmethod
+    def of(cls, options: RunOptions, **bench: Any) -> BenchConfig:
+        """The bench of a command line's transcription options (what bench measures of
+        them: model, device, compile, language, timestamps, words, the map, batch size,
+        max new tokens), with bench's own settings."""
+        d = options.decoding
+        return cls(
+            model=options.model,
+            batch_size=d.batch_size,
+            max_new_tokens=d.max_new_tokens,
+            compile=options.compile,
+            timestamps=d.timestamps,
+            vad=d.vad,
+            word_timestamps=d.word_timestamps,
+            device=options.device,
+            language=d.language,
+            **bench,
+        )
 
 
 @dataclass(frozen=True)
@@ -701,7 +726,7 @@ def _comparison_cells(c: Comparison | None) -> list[str]:
     return [f"{c.reference_wall_s:.2f}", f"{c.speedup:.2f}x", text]
 
 
-# --- entry points: the child, and a plain command line for scripts ------------------------
+# --- the child's entry point -----------------------------------------------------------------
 
 
 def _child_main(spec_path: str) -> int:
@@ -716,77 +741,15 @@ def _child_main(spec_path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m whisper_cli.tools.bench`: the child entry point, and a plain CLI for scripts.
+    """`python -m whisper_cli.tools.bench --child SPEC`: one configuration, run by run_bench.
 
-    The user-facing command is `whisper-cli bench` (whisper_cli.cli); this one needs no
-    Typer, so that machines without it (and scripts/gpu_check.sh) can run benchmarks.
-    """
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m whisper_cli.tools.bench")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--model",
-        help=f"default: {default_model('cuda')} on CUDA, {default_model('cpu')} otherwise",
-    )
-    parser.add_argument("--dtype", default="auto", help="f32, f16, bf16, auto, all or a list")
-    parser.add_argument("--quantize", default="none", help="none, or int8 weights (CPU)")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--audio", help="audio file or .npy float32 16 kHz array")
-    parser.add_argument("--duration", type=float, help="tile the audio to this many seconds")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--compile", choices=COMPILE_CHOICES, default="auto")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-timestamps", action="store_true")
-    parser.add_argument("--word-timestamps", action="store_true", help="also time every word")
-    parser.add_argument("--against", choices=REFERENCES)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--language")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    parser.add_argument("--timeout", type=float, help="seconds per configuration")
-    parser.add_argument("--json", type=Path, help="write the JSON report here")
-    parser.add_argument("--markdown", type=Path, help="write the Markdown table here")
-    parser.add_argument(
-        "--export-audio", type=Path, help="only write the bench audio (tiled) as .npy and exit"
-    )
-    args = parser.parse_args(argv)
-    if args.child:
-        return _child_main(args.child)
-    try:
-        if args.export_audio:
-            clip, _ = load_bench_audio(args.audio)
-            n = _target_samples(len(clip), args.duration)
-            np.save(args.export_audio, np.concatenate(list(tiled_blocks(clip, n))))
-            return 0
-        config = BenchConfig(
-            model=args.model,
-            dtypes=expand_dtypes(args.dtype),
-            quantize=args.quantize,
-            batch_size=args.batch_size,
-            audio=args.audio,
-            duration=args.duration,
-            max_new_tokens=args.max_new_tokens,
-            compile=args.compile,
-            repeats=args.repeats,
-            timestamps=not args.no_timestamps,
-            word_timestamps=args.word_timestamps,
-            against=args.against,
-            device=args.device,
-            language=args.language,
-            threads=args.threads,
-            timeout_s=args.timeout,
-        )
-        report = run_bench(config, on_progress=lambda m: print(m, file=sys.stderr, flush=True))
-    except WhisperCliError as exc:
-        print(f"bench: error: {exc.message}", file=sys.stderr)
+    The command line is `whisper-cli bench` (cli.py): one front end, whose flags are
+    transcribe's own."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "--child":
+        print("bench: run `whisper-cli bench` (see --help)", file=sys.stderr)
         return 2
-    table = render_table(report)
-    print(table)
-    if args.json:
-        args.json.write_text(json.dumps(report_to_json(report), indent=2))
-    if args.markdown:
-        args.markdown.write_text(table + "\n")
-    return 1 if report.failures else 0
+    return _child_main(args[1])
 
 
 if __name__ == "__main__":

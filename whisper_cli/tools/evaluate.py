@@ -27,7 +27,6 @@ from pathlib import Path
 from whisper_cli.dtypes import DtypePolicy, expand_dtypes, resolve_policy
 from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.loading import LoadedModel, load_model
-from whisper_cli.options import default_model
 from whisper_cli.pipeline import Progress, TranscribeOptions, Transcriber
 from whisper_cli.results import Transcript
 
@@ -342,7 +341,6 @@ def evaluate(
         policy = resolve_policy(name, device, quantize)
         if policy not in policies:  # "auto" may repeat an explicit choice
             policies.append(policy)
-    model = model or default_model(policies[0].device.type)
     items: tuple[EvalItem, ...] = ()
     skipped = list(manifest.skipped)
     results: list[DtypeResult] = []
@@ -350,6 +348,7 @@ def evaluate(
         started = time.perf_counter()
         loaded = load_model(model, policy)
         load_s = time.perf_counter() - started
+        model = loaded.name  # the default model of the device, when none was named
         if not results:  # the same model in every dtype: decide what it can score once
             items, unsupported = split_supported(manifest.items, loaded)
             skipped.extend(unsupported)
