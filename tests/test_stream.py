@@ -432,14 +432,16 @@ def test_latency_bounds_the_wait_from_speech_to_its_text(feed) -> None:
         (t, item) for t, line in fed.lines if (item := json.loads(line))["type"] == "segment"
     ]
     gaps = []
-    for start, end in spans:
+    for start, end in spans[1:]:  # the first waits on the start up (see the test above)
         # The clip's text: the segments that start inside it; out once the last of them is.
         shown = [t for t, s in segments if start - 1.0 <= s["start"] < end]
         assert shown, f"no text for the speech at {start:.1f}-{end:.1f} s"
         written = fed.when_written(int(44 + end * 2 * SR))
         gaps.append(max(shown) - written)
-    # A stretch may wait for the decode under way when it is cut, then for its own.
-    allowed = bound + 2 * decode
+    # A stretch may wait for the decode under way when it is cut, then for its own; and
+    # for the quiet that ends it (the tail, 0.4 s of audio) and the audio that arrived
+    # during a decode to be read: 1 s for those.
+    allowed = bound + 2 * decode + 1.0
     assert max(gaps) <= allowed, (
         f"speech to text took up to {max(gaps):.1f} s (each stretch: "
         f"{', '.join(f'{g:.1f}' for g in gaps)}); the bound is {bound} s and one batch "
