@@ -453,13 +453,13 @@ def test_latency_bounds_the_wait_from_speech_to_its_text(feed) -> None:
 @pytest.mark.parametrize("fmt,parse", [("srt", parse_srt), ("vtt", parse_vtt)])
 def test_streamed_subtitles_parse_whole(feed, fmt, parse) -> None:
     path, _ = feed
-    fed = run_fed(path, "-f", fmt, "-q", "--latency", "0.5", speed=16.0)
+    fed = run_fed(path, "-f", fmt, "-q", "--latency", "1")
     assert fed.code == 0, fed.stderr
     content = "".join(line for _, line in fed.lines)
     cues = parse(content)
     assert len(cues) >= 9
     assert_monotonic(cues)
-    assert len({round(t, 1) for t, _ in fed.lines}) > 2, "the cues came at once"
+    assert len({round(t, 1) for t, _ in fed.lines}) > 1, "the cues came at once"
 
 
 @pytest.mark.slow
