@@ -377,11 +377,10 @@ def _is_pipe(stream: BinaryIO) -> bool:
     import stat
 
     try:
-        return stat.S_ISFIFO(os.fstat(stream.fileno()).st_mode) or stat.S_ISSOCK(
-            os.fstat(stream.fileno()).st_mode
-        )
+        mode = os.fstat(stream.fileno()).st_mode
     except (OSError, ValueError, io.UnsupportedOperation, AttributeError):
         return False  # an in-memory stream (a library caller's BytesIO): read at once
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
 
 class _PipeTap:
@@ -454,9 +453,12 @@ class _TapReader:
         self.pos = 0
 
     def read(self, size: int = -1) -> bytes:
-        want = (1 << 62) if size is None or size < 0 else size
+        """Up to `size` bytes, as soon as any have arrived; all the rest if size < 0."""
+        if size is None or size < 0:
+            got = self.tap.wait(1 << 62)  # to the pipe's end
+            size = got - self.pos
         got = self.tap.wait(self.pos + 1)
-        chunk = self.tap.slice(self.pos, min(want, got - self.pos))
+        chunk = self.tap.slice(self.pos, min(size, got - self.pos))
         self.pos += len(chunk)
         return chunk
 
