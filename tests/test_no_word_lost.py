@@ -15,6 +15,7 @@ import jiwer
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 from test_longform import PHRASES, clip, count_phrase, english
 from util import shared_clip
 
@@ -245,3 +246,123 @@ def test_the_last_utterance_is_transcribed_once(model, mode, tmp_path, transcrib
     for name, (_, phrase) in inputs.items():
         text = results[paths[name]].text
         assert count_phrase(text, phrase) == 1, (name, text)
+
+
+# --- no timestamp passes over speech ------------------------------------------------------------
+
+
+def _rules(skip):
+    """Rules over a vocabulary of 100 text tokens (end-of-text 50) and 30 s of timestamps."""
+    from whisper_cli.rules import Rules
+
+    n_ts, ts_begin = 1501, 100
+    vocab = ts_begin + n_ts
+    never = torch.zeros(vocab, dtype=torch.bool)
+    return Rules(never, never, torch.arange(n_ts), 50, ts_begin, True, skip)
+
+
+def _speech_table(spans: list[tuple[float, float]]) -> torch.Tensor:
+    from whisper_cli.pipeline import speech_before_timestamps
+    from whisper_cli.speech import FRAME_SECONDS
+
+    speech = np.zeros(round(30 / FRAME_SECONDS), dtype=bool)
+    for a, b in spans:
+        speech[round(a / FRAME_SECONDS) : round(b / FRAME_SECONDS)] = True
+    return torch.from_numpy(speech_before_timestamps(speech, 1501))[None]
+
+
+def _ts(rules, seconds: float) -> int:
+    return rules.timestamp_begin + round(seconds / 0.02)
+
+
+# A 2 s sentence, a pause, then 22 s of speech: the map of the window that lost a licence.
+SENTENCE_THEN_SPEECH = [(0.6, 2.8), (5.4, 28.1)]
+
+
+@pytest.mark.parametrize("skip", [None, "policy"])
+def test_a_segment_does_not_close_past_the_speech_its_text_can_hold(skip) -> None:
+    """After <|0.00|> and 7 text tokens the model's favourite is to close at 28 s, past 22
+    s of speech it never wrote: the rule leaves it the timestamps its text can cover (the
+    pause at 5 s here); with no map, the model's choice stands."""
+    from whisper_cli.rules import SkipLimits, apply_rules
+
+    p = Policy()
+    limits = SkipLimits.from_seconds(
+        p.segment_speech_seconds, p.segment_speech_per_token_seconds, p.gap_speech_seconds
+    )
+    rules = _rules(limits if skip else None)
+    logits = torch.zeros(1, rules.timestamp_begin + 1501)
+    logits[0, _ts(rules, 28.0)] = 12.0
+    logits[0, _ts(rules, 5.0)] = 8.0
+    logits[0, 7] = 7.0  # the best text token: below the timestamps' mass
+    index = torch.tensor(8)
+    text, ts0 = torch.tensor([7]), torch.tensor([_ts(rules, 0.0)])
+    table = _speech_table(SENTENCE_THEN_SPEECH)
+    out = apply_rules(rules, logits, index, text, text, ts0, None, table, torch.tensor([7]))
+    chosen = int(out.argmax())
+    if skip:
+        assert chosen == _ts(rules, 5.0)
+        # As far as the text can reach (2 s + 7 x 1 s of speech: 2.2 s, then 6.8 s from
+        # 5.4 s on), and no further.
+        allowed = (out[0, rules.timestamp_begin :] > float("-inf")).nonzero()[:, 0]
+        assert 12.1 <= int(allowed.max()) * 0.02 <= 12.3
+    else:
+        assert chosen == _ts(rules, 28.0)
+
+
+def test_the_next_segment_does_not_open_past_speech() -> None:
+    """Just after a segment closed at 5 s, the next may open at the speech after the pause,
+    not 10 s into it; over non-speech the timestamps are free."""
+    from whisper_cli.rules import SkipLimits, apply_rules
+
+    rules = _rules(SkipLimits.from_seconds(2.0, 1.0, Policy().gap_speech_seconds))
+    logits = torch.zeros(1, rules.timestamp_begin + 1501)
+    logits[0, _ts(rules, 15.4)] = 12.0
+    logits[0, _ts(rules, 5.4)] = 8.0
+    close, text = torch.tensor([_ts(rules, 5.0)]), torch.tensor([7])
+    table = _speech_table(SENTENCE_THEN_SPEECH)
+    args = (torch.tensor(9), close, text, close, None, table, torch.tensor([0]))
+    assert int(apply_rules(rules, logits, *args).argmax()) == _ts(rules, 5.4)
+    quiet = _speech_table([(0.6, 2.8), (15.4, 28.1)])  # 15.4 s is past a pause now
+    args = (torch.tensor(9), close, text, close, None, quiet, torch.tensor([0]))
+    assert int(apply_rules(rules, logits, *args).argmax()) == _ts(rules, 15.4)
+
+
+def test_speech_before_timestamps_counts_speech_in_timestamp_steps() -> None:
+    from whisper_cli.pipeline import speech_before_timestamps
+    from whisper_cli.speech import FRAME_SECONDS
+
+    speech = np.zeros(100, dtype=bool)
+    speech[10:20] = True  # 0.32 s .. 0.64 s
+    before = speech_before_timestamps(speech, 1501)
+    assert before[0] == 0 and before[round(0.32 / 0.02)] == 0
+    assert before[round(0.64 / 0.02)] == round(10 * FRAME_SECONDS / 0.02)  # 16 steps
+    assert before[-1] == 16 and (np.diff(before) >= 0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("model", ["tiny_en", "base_model"])
+def test_a_sentence_before_long_speech_does_not_swallow_it(
+    model, mode, tmp_path, transcriber, request
+) -> None:
+    """stereo_diarization's right channel (one sentence and 2 s of quiet), then the 29 s
+    licence: with no rule, tiny.en closes the sentence's segment at the window's end and
+    the licence's first 24 s are never written. Every phrase is there, once."""
+    from test_longform import _english_licence
+
+    right = load_audio(shared_clip("stereo_diarization.wav"), "right")
+    licence = _english_licence(load_audio(shared_clip("multilingual.mp3")))
+    silence = [gap(seconds, "silence", 0) for seconds in (1.0, 0.3, 1.0)]
+    audio = np.concatenate([silence[0], right, silence[1], licence, silence[2]])
+    options = {"language": "en"} if model == "base_model" else {}
+    t = transcriber(request.getfixturevalue(model), **options, **MODES[mode])
+    text = t.transcribe(write(tmp_path, "swallow", audio)).text
+    for phrase in PHRASES["right"] + PHRASES["licence"]:
+        assert count_phrase(text, phrase) == 1, (phrase, text)
+    reference = (
+        clip("stereo_diarization.wav")["reference_right"]
+        + " "
+        + clip("multilingual.mp3")["reference"].split(" Jedem")[0]
+    )
+    assert deletions(reference, text) <= 3, text

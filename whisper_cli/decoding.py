@@ -16,7 +16,7 @@ import torch
 
 from whisper_cli.dtypes import f32_logprobs, f32_logsumexp, f32_softmax
 from whisper_cli.model import DecodeCaches, Whisper
-from whisper_cli.rules import Rules, apply_rules
+from whisper_cli.rules import Rules, SkipLimits, SpeechGrid, apply_rules
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class DecodeOptions:
     loop_check_every: int = 8
     max_loop_period: int = 16
     min_loop_span: int = 32
+    skip: SkipLimits | None = None  # how much speech a timestamp may pass over (rules.py)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,9 @@ class DecodeState:
     loop_cut: torch.Tensor  # int64: where a looping row's tokens are cut, -1 if it did not
     temperature: torch.Tensor  # in the logits' dtype: 0 is greedy
     seed: torch.Tensor  # int64 in [0, 2^32): the row's sampling seed
-    speech_after: torch.Tensor | None  # (B, n_ts) bool: speech after each timestamp
+    # (B, n_ts) each, the rows' rules.SpeechGrid: speech after / before each timestamp
+    speech_after: torch.Tensor | None
+    speech_before: torch.Tensor | None
 
     @classmethod
     def start(
@@ -78,7 +81,7 @@ class DecodeState:
         eot: int,
         dtype: torch.dtype,
         device: torch.device,
-        speech_after: torch.Tensor | None = None,
+        speech: SpeechGrid | None = None,
     ) -> DecodeState:
         b = len(temperatures)
         minus_one = torch.full((b,), -1, dtype=torch.long, device=device)
@@ -92,7 +95,8 @@ class DecodeState:
             loop_cut=minus_one.clone(),
             temperature=torch.tensor(temperatures, dtype=dtype, device=device),
             seed=torch.tensor(folded, dtype=torch.long, device=device),
-            speech_after=speech_after,
+            speech_after=None if speech is None else speech.after,
+            speech_before=None if speech is None else speech.before,
         )
 
     def recent(self, back: int) -> torch.Tensor:
@@ -108,6 +112,12 @@ class DecodeState:
         """(B,) the largest timestamp token sampled so far, -1 if none (tokens after the
         index are end-of-text, below the timestamps)."""
         return torch.where(self.tokens >= timestamp_begin, self.tokens, -1).amax(dim=1)
+
+    def text_run(self, timestamp_begin: int) -> torch.Tensor:
+        """(B,) text tokens sampled since the row's latest timestamp (all of them if none)."""
+        steps = torch.arange(self.tokens.shape[1], device=self.tokens.device)
+        latest = torch.where(self.tokens >= timestamp_begin, steps, -1).amax(dim=1)
+        return self.index - 1 - latest
 
     def select(self, rows: torch.Tensor) -> DecodeState:
         """The state of `rows` only (the eager path drops finished rows)."""
@@ -164,7 +174,18 @@ def choose(rules: Rules, state: DecodeState, logits: torch.Tensor, sample: bool)
     draw at its temperature when `sample`), add its log-prob, and update the state."""
     last, penult = state.recent(1), state.recent(2)
     max_ts = state.max_timestamp(rules.timestamp_begin)
-    logits = apply_rules(rules, logits, state.index, last, penult, max_ts, state.speech_after)
+    text_run = None if state.speech_before is None else state.text_run(rules.timestamp_begin)
+    logits = apply_rules(
+        rules,
+        logits,
+        state.index,
+        last,
+        penult,
+        max_ts,
+        state.speech_after,
+        state.speech_before,
+        text_run,
+    )
     greedy = logits.argmax(dim=-1)
     if sample:
         drawn = draw(logits, state.temperature, uniform(state.seed, state.index), greedy)

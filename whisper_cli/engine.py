@@ -26,7 +26,7 @@ from whisper_cli.decoding import DecodedRow, DecodeOptions, DecodeState
 from whisper_cli.dtypes import encoder_input, f32_log_softmax
 from whisper_cli.loading import LoadedModel
 from whisper_cli.model import KV, DecodeCaches
-from whisper_cli.rules import Rules
+from whisper_cli.rules import Rules, SpeechGrid
 from whisper_cli.tokenizer import TIME_PRECISION
 
 CACHE_MULTIPLE = 16  # self-attention cache length rounded up to this (aligned tiles)
@@ -113,7 +113,9 @@ class Engine:
         self.cache_length = min(
             _round_up(self.prompt_length + self.max_new, CACHE_MULTIPLE), cfg.max_target_positions
         )
-        self.rules = Rules.build(loaded, options.timestamps, options.max_initial_timestamp)
+        self.rules = Rules.build(
+            loaded, options.timestamps, options.max_initial_timestamp, options.skip
+        )
         self._prepared: DecodeCaches | None = None  # caches of the latest encoded batch
         self._static: tuple[DecodeState, DecodeCaches] | None = None  # compiled buffers
         self._steps: dict[bool, object] = {}  # compiled step per `sample`
@@ -161,7 +163,7 @@ class Engine:
         self,
         features: torch.Tensor,
         languages: list[str | None],
-        speech_after: torch.Tensor | None = None,
+        speech: SpeechGrid | None = None,
         temperatures: list[float] | None = None,
         seeds: list[int] | None = None,
         on_rows: Callable[[RowPositions], None] | None = None,
@@ -169,9 +171,9 @@ class Engine:
         """Decode the first len(languages) rows of a batch of encoder outputs (B, S, C);
         rows after them are padding (see rows_for).
 
-        speech_after (n, n_timestamps) bool, timestamp mode only: whether the audio after
-        each timestamp still holds speech (from the speech map); while it does after a
-        row's latest timestamp, that row may not end (see rules.apply_rules).
+        speech: the n rows' speech maps on the timestamp grid, timestamp mode only: a row
+        may not end while speech lies after its latest timestamp, nor pass a timestamp
+        over more speech than its text can hold (see rules.apply_rules).
         temperatures: per row; 0 is greedy, above 0 draws from softmax(logits / T) at
         uniforms hashed from the row's seed (`seeds`) and step, so a row's text does not
         depend on the other rows of its batch.
@@ -184,10 +186,8 @@ class Engine:
         seeds = [*(seeds or [0] * n), *[0] * pad]
         languages = [*languages, *[languages[0]] * pad]
         device = features.device
-        if speech_after is not None and pad:  # padding rows are never held open
-            speech_after = torch.cat(
-                [speech_after, speech_after.new_zeros(pad, *speech_after.shape[1:])]
-            )
+        if speech is not None and pad:  # padding rows are never held open
+            speech = speech.padded(pad)
         sample = any(t > 0 for t in temperatures)
         state = DecodeState.start(
             self.max_new,
@@ -197,7 +197,7 @@ class Engine:
             self.special.eot,
             self.model.dtype,
             device,
-            speech_after,
+            speech,
         )
         caches = self._caches(features)
         if self.compile:

@@ -93,6 +93,19 @@ class Policy:
     # last utterance, dated 0.99 s early by tiny.en with the map off, is written twice
     # (a duplicate is the lesser fault). Speech after a pause always counts.
     end_slack_seconds: float = 0.5
+    # The no-skip rule: a segment of n text tokens may not close past more than
+    # segment_speech_seconds + n * segment_speech_per_token_seconds of speech, nor the next
+    # one open past more than gap_speech_seconds of it (tiny.en closed a 7-token sentence
+    # at its window's end, and the 22 s of speech after it were never written).
+    # scripts/calibrate_speech.py (spans; 127 inputs, 45 min: eSpeak word lists,
+    # sentences, paragraphs at a normal and a slow pace in 4 languages, in noise, and the
+    # demo sample), rule off: a real segment held 0.29 s of speech per text token at the
+    # median and 0.61 s at the 99th percentile; none held more than 1 s a token (the
+    # largest, a lone "Garden" at -20 dB: 0.93 s); a gap between segments held at most
+    # 0.51 s. With the limits below (about twice those), the rule changed no word there.
+    segment_speech_seconds: float = 2.0
+    segment_speech_per_token_seconds: float = 1.0
+    gap_speech_seconds: float = 1.0
     # The language of an input is detected from its probabilities pooled over up to this
     # much speech at its start (openai-whisper detects on the first 30 s).
     language_seconds: float = 30.0
@@ -129,6 +142,9 @@ class Policy:
             "text_min_speech_seconds",
             "text_speech_margin_seconds",
             "end_slack_seconds",
+            "segment_speech_seconds",
+            "segment_speech_per_token_seconds",
+            "gap_speech_seconds",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

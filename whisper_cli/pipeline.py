@@ -34,6 +34,7 @@ from whisper_cli.loading import LoadedModel
 from whisper_cli.options import Policy, TranscribeOptions, check_options, run_latency
 from whisper_cli.progress import FINDING_SPEECH, Progress, Reporter
 from whisper_cli.results import Segment, Transcript, TranscriptWarning
+from whisper_cli.rules import SkipLimits, SpeechGrid
 from whisper_cli.scheduler import Counters, Failed, Finished, Job, Scheduler, Settled, Track
 from whisper_cli.segments import attach_words
 from whisper_cli.speech import FRAME_SECONDS, load_detector
@@ -111,6 +112,11 @@ class Transcriber:
                 loop_check_every=p.loop_check_every,
                 max_loop_period=p.max_loop_period,
                 min_loop_span=p.min_loop_span,
+                skip=SkipLimits.from_seconds(
+                    p.segment_speech_seconds,
+                    p.segment_speech_per_token_seconds,
+                    p.gap_speech_seconds,
+                ),
             ),
             compile=options.compile,
             retain_cross=options.word_timestamps,
@@ -256,19 +262,23 @@ class Transcriber:
             features[len(batch) :] = encoded[len(fresh) :]
         return features
 
-    def _speech_after(self, batch: list[Job]) -> torch.Tensor | None:
-        """(rows, n_timestamps) bool for the no-end rule, from each window's speech map
-        (with the detector off too: it keeps a decode from ending early, never drops text)."""
+    def _speech_grid(self, batch: list[Job]) -> SpeechGrid | None:
+        """Each window's speech map on the timestamp grid, for the rules that keep a decode
+        from ending before speech or passing over it (with the detector off too: they
+        never drop text, they keep the decoder writing)."""
         if not self.options.timestamps:
             return None
         n_ts = self.loaded.config.vocab_size - self.loaded.tokenizer.special.timestamp_begin
         p = self.policy
-        table = np.zeros((len(batch), n_ts), dtype=bool)
+        after = np.zeros((len(batch), n_ts), dtype=bool)
+        before = np.zeros((len(batch), n_ts), dtype=np.int64)
         for r, job in enumerate(batch):
-            table[r] = speech_after_timestamps(
+            after[r] = speech_after_timestamps(
                 job.window.speech, n_ts, p.min_speech_seconds, p.end_slack_seconds
             )
-        return torch.from_numpy(table).to(self.loaded.policy.device)
+            before[r] = speech_before_timestamps(job.window.speech, n_ts)
+        device = self.loaded.policy.device
+        return SpeechGrid(torch.from_numpy(after).to(device), torch.from_numpy(before).to(device))
 
     def _decode_rows(self, batch: list[Job], offset: int = 0) -> list[Job]:
         """offset: where these rows lie in the scheduler's batch (for progress)."""
@@ -281,7 +291,7 @@ class Transcriber:
         seeds = [self._seed(j) for j in batch]
         watch = None if reporter.on_progress is None else partial(reporter.rows, offset)
         rows = self.engine.decode(
-            features, languages, self._speech_after(batch), temperatures, seeds, watch
+            features, languages, self._speech_grid(batch), temperatures, seeds, watch
         )
         # Attempts decoded ahead: (their job, attempt) -> row.
         ahead = {
@@ -485,6 +495,20 @@ class Transcriber:
         return found
 
 
+def _timestamp_frames(n_timestamps: int, n_frames: int) -> np.ndarray:
+    """(n_timestamps,) the first speech-map frame at or after each timestamp."""
+    frames = np.ceil(np.arange(n_timestamps) * TIME_PRECISION / FRAME_SECONDS - 1e-9)
+    return np.minimum(frames.astype(np.int64), n_frames)
+
+
+def speech_before_timestamps(speech: np.ndarray, n_timestamps: int) -> np.ndarray:
+    """(n_timestamps,) int64: the speech frames before each timestamp, in timestamp steps
+    (TIME_PRECISION), the unit of rules.SkipLimits."""
+    before = np.concatenate(([0], np.cumsum(speech, dtype=np.int64)))
+    frames = before[_timestamp_frames(n_timestamps, len(speech))]
+    return np.round(frames * (FRAME_SECONDS / TIME_PRECISION)).astype(np.int64)
+
+
 def speech_after_timestamps(
     speech: np.ndarray, n_timestamps: int, min_seconds: float, slack_seconds: float = 0.0
 ) -> np.ndarray:
@@ -501,7 +525,6 @@ def speech_after_timestamps(
     run = np.zeros(n + 1, dtype=np.int64)  # frames of speech running on from frame f
     for f in range(n - 1, -1, -1):
         run[f] = run[f + 1] + 1 if speech[f] else 0
-    frames = np.ceil(np.arange(n_timestamps) * TIME_PRECISION / FRAME_SECONDS - 1e-9)
-    frames = np.minimum(frames.astype(np.int64), n)
+    frames = _timestamp_frames(n_timestamps, n)
     forgiven = np.minimum(run[frames], round(slack_seconds / FRAME_SECONDS))
     return (after[frames] - forgiven) * FRAME_SECONDS >= min_seconds - 1e-9

@@ -13,8 +13,40 @@ import torch
 
 from whisper_cli.dtypes import f32_logsumexp
 from whisper_cli.loading import LoadedModel
+from whisper_cli.tokenizer import TIME_PRECISION
 
 NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class SpeechGrid:
+    """A batch's speech map on the timestamp grid (TIME_PRECISION steps), for the rules
+    that keep a decode from passing over speech; (B, n_ts) each."""
+
+    after: torch.Tensor  # bool: speech the decode has not reached lies after timestamp t
+    before: torch.Tensor  # int64: speech before timestamp t, in TIME_PRECISION steps
+
+    def padded(self, rows: int) -> SpeechGrid:
+        """With `rows` rows of no speech after these (a compiled batch's padding)."""
+        return SpeechGrid(
+            *(torch.cat([t, t.new_zeros(rows, t.shape[1])]) for t in vars(self).values())
+        )
+
+
+@dataclass(frozen=True)
+class SkipLimits:
+    """How much speech (in TIME_PRECISION steps) a timestamp may pass over: a segment of
+    n text tokens holds at most segment + per_token * n, and a gap between two segments
+    at most gap (see options.Policy, where the seconds and their provenance are)."""
+
+    segment: int
+    per_token: int
+    gap: int
+
+    @classmethod
+    def from_seconds(cls, segment: float, per_token: float, gap: float) -> SkipLimits:
+        steps = lambda s: max(1, round(s / TIME_PRECISION))  # noqa: E731
+        return cls(steps(segment), steps(per_token), steps(gap))
 
 
 @dataclass(frozen=True)
@@ -27,13 +59,20 @@ class Rules:
     eot: int
     timestamp_begin: int
     timestamps: bool
+    skip: SkipLimits | None  # None: timestamps may pass over any speech
 
     def tensors(self) -> list[torch.Tensor]:
         """The device tensors, which a compiled step reads beside the state and caches."""
         return [v for v in vars(self).values() if isinstance(v, torch.Tensor)]
 
     @classmethod
-    def build(cls, loaded: LoadedModel, timestamps: bool, max_initial_timestamp: float) -> Rules:
+    def build(
+        cls,
+        loaded: LoadedModel,
+        timestamps: bool,
+        max_initial_timestamp: float,
+        skip: SkipLimits | None = None,
+    ) -> Rules:
         special = loaded.tokenizer.special
         gen = loaded.generation
         device = loaded.model.device
@@ -60,6 +99,7 @@ class Rules:
             eot=special.eot,
             timestamp_begin=ts_begin,
             timestamps=timestamps,
+            skip=skip,
         )
 
 
@@ -71,13 +111,17 @@ def apply_rules(
     penult: torch.Tensor,
     max_ts: torch.Tensor,
     speech_after: torch.Tensor | None,
+    speech_before: torch.Tensor | None = None,
+    text_run: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(B, V) logits -> (B, V) logits with the rules applied; the input is left alone.
 
     index: () int64, the step (0: the first sampled token); last, penult, max_ts: (B,)
     int64, the last two tokens (-1 before any) and the largest timestamp so far (-1).
-    speech_after (B, n_ts) bool: whether speech lies after each timestamp (see
-    decoding.DecodeState); while it does after a row's latest timestamp, it may not end.
+    speech_after, speech_before: the rows' SpeechGrid (see there); while speech lies after
+    a row's latest timestamp it may not end, and a timestamp may not pass over more
+    speech than rules.skip allows. text_run (B,) int64: text tokens since the row's
+    latest timestamp (needed with speech_before).
     """
     first = index == 0
     logits = logits.masked_fill(torch.where(first, rules.begin_suppress, rules.suppress), NEG_INF)
@@ -97,6 +141,17 @@ def apply_rules(
     # Timestamps never decrease, and a segment has a non-zero length (max_ts -1: no floor).
     floor = torch.where(opened, max_ts, max_ts + 1) - ts_begin
     stamps.masked_fill_(rules.ts_index < floor[:, None], NEG_INF)
+    if speech_before is not None and rules.skip is not None:
+        # The model sometimes closes a segment of a few words far past them, or opens the
+        # next one far past the last, and the speech in between is never written: a
+        # timestamp may pass over only as much speech as the text since the latest one can
+        # hold (a gap between segments: a little, for the timestamps' own error).
+        skip = rules.skip
+        latest = (max_ts - ts_begin).clamp(min=0)
+        passed = speech_before - speech_before.gather(1, latest[:, None])  # (B, n_ts)
+        allowed = torch.where(opened, skip.gap, skip.segment + skip.per_token * text_run)
+        too_far = (passed > allowed[:, None]) & (max_ts >= ts_begin)[:, None]
+        stamps.masked_fill_(too_far, NEG_INF)
     stamps_lse = f32_logsumexp(stamps)  # (B,) the timestamps' mass, unnormalised
     # The best text token other than end-of-text, and end-of-text itself (a view).
     others = torch.maximum(logits[:, :eot].amax(dim=-1), logits[:, eot + 1 : ts_begin].amax(dim=-1))
