@@ -17,6 +17,10 @@ It prints, per question:
           its words are real (-> text_min_speech_seconds, text_speech_margin_seconds)
   ends    with the map off and no hold: the speech left running on after a window's last
           timestamp in windows whose text is complete (-> end_slack_seconds)
+  spans   with the no-skip rule off: the speech under each real segment against its text
+          tokens, and in the gaps between segments; then the reference words found with
+          the rule on and off (-> segment_speech_seconds, segment_speech_per_token_seconds,
+          gap_speech_seconds)
 
     python scripts/calibrate_speech.py [--model models/tiny.en] [--model models/base]
 """
@@ -63,6 +67,23 @@ SENTENCES = {
     "fr": ["Bonjour ! Est-ce que vous allez bien ?", "Le train part à huit heures du soir."],
     "de": ["Guten Morgen, wie geht es Ihnen heute?", "Das Buch liegt auf dem Tisch."],
     "es": ["Buenos días, ¿cómo estás hoy?", "La casa está cerca del río."],
+}
+# Continuous reading (no pause long enough to cut it), at a normal and a slow pace: how
+# much speech a segment's text covers when nothing breaks it up.
+PARAGRAPHS = {
+    "en": "When the ferry finally reached the harbour, the passengers gathered their bags "
+    "and waited in a long, patient line, while the gulls circled overhead and a small boy "
+    "counted the boats that were tied along the old stone wall, one by one, until his "
+    "mother called him back.",
+    "fr": "Quand le bateau est enfin arrivé au port, les passagers ont pris leurs sacs et "
+    "ont attendu en silence, pendant que les mouettes tournaient au-dessus de l'eau et "
+    "qu'un petit garçon comptait les barques attachées le long du vieux mur de pierre.",
+    "de": "Als die Fähre endlich den Hafen erreichte, nahmen die Reisenden ihre Taschen "
+    "und warteten geduldig in einer langen Reihe, während die Möwen über dem Wasser "
+    "kreisten und ein kleiner Junge die Boote an der alten Mauer zählte.",
+    "es": "Cuando el barco llegó por fin al puerto, los pasajeros recogieron sus bolsas y "
+    "esperaron en una larga fila, mientras las gaviotas volaban sobre el agua y un niño "
+    "contaba las barcas atadas junto al viejo muro de piedra.",
 }
 VOICES = {"en": ["en", "en+f3", "en-us+m3"], "fr": ["fr", "fr+f2"], "de": ["de"], "es": ["es"]}
 
@@ -146,6 +167,29 @@ def corpus() -> list[dict]:
                             "audio": with_noise(np.concatenate(pieces), snr, "brown", v + 7),
                             "reference": " ".join(SENTENCES[lang]),
                             "starts": starts,
+                        }
+                    )
+            # A paragraph read straight through, at a normal and a slow pace.
+            for speed in (160, 90):
+                for snr in (None, 10):
+                    items.append(
+                        {
+                            "name": f"{voice} paragraph speed {speed} snr {snr}",
+                            "lang": lang,
+                            "audio": with_noise(
+                                np.concatenate(
+                                    [
+                                        silence(1.0),
+                                        speak(PARAGRAPHS[lang], voice, speed),
+                                        silence(1.0),
+                                    ]
+                                ),
+                                snr,
+                                "white",
+                                v + 3,
+                            ),
+                            "reference": PARAGRAPHS[lang],
+                            "starts": [1.0],
                         }
                     )
             # Short words alone, each after 20 s of silence.
@@ -365,6 +409,51 @@ def end_evidence(model: str, items: list[dict], tmp: Path) -> None:
         )
 
 
+def span_evidence(model: str, items: list[dict], tmp: Path) -> None:
+    """What the no-skip rule may allow, measured with it off; then the words with it on."""
+    off = Policy(segment_speech_seconds=1e6, gap_speech_seconds=1e6)
+    print(f"\n## spans ({Path(model).name}, map on, no-skip rule off): speech under segments")
+    per_token, gaps, recall = [], [], {}
+    for item, window, verdict in decoded(model, items, off, True, tmp):
+        known = words_of(item["reference"])
+        previous_end = None
+        for s in verdict.segments:
+            a, b = s.start - window.start, s.end - window.start
+            if words_of(s.text) & known:
+                under = window.speech_seconds_between(a, b)
+                per_token.append((under, len(s.tokens), s.text.strip()[:50], item["name"]))
+            if previous_end is not None:
+                gaps.append((window.speech_seconds_between(previous_end, a), item["name"]))
+            previous_end = b
+    for per in (0.5, 1.0):
+        worst = sorted(per_token, key=lambda r: r[0] - per * r[1], reverse=True)[:5]
+        print(f"  speech under a real segment less {per} s a text token, the largest:")
+        for under, n, text, name in worst:
+            print(f"    {under - per * n:+.2f} s ({under:.2f} s, {n} tokens) {text!r} [{name}]")
+    rates = np.array([u / n for u, n, _, _ in per_token if n])
+    print(f"  s of speech per token: p50 {np.median(rates):.2f} p99 {np.percentile(rates, 99):.2f}")
+    print(f"  speech in a gap between segments: max {max((g for g, _ in gaps), default=0):.2f} s")
+    for g, name in sorted(gaps, reverse=True)[:5]:
+        print(f"    {g:.2f} s [{name}]")
+    for label, policy in (("off", off), ("on", Policy())):
+        found = {}
+        for item, _, verdict in decoded(model, items, policy, True, tmp):
+            got = found.setdefault(item["name"], set())
+            got |= words_of(" ".join(s.text for s in verdict.segments)) & words_of(
+                item["reference"]
+            )
+        recall[label] = found
+    lost = [
+        (name, sorted(recall["off"][name] - recall["on"].get(name, set())))
+        for name in recall["off"]
+        if recall["off"][name] - recall["on"].get(name, set())
+    ]
+    gained = sum(len(recall["on"][n] - recall["off"].get(n, set())) for n in recall["on"])
+    print(f"  rule on vs off: reference words gained {gained}, lost in {len(lost)} inputs")
+    for name, words in lost:
+        print(f"    lost {words} [{name}]")
+
+
 def real_onsets(model: str, detector, tmp: Path) -> None:
     """Detector onset minus the first word's start (word timing, map off) after silence."""
     shared = REPO.parent / "shared" / "audio"
@@ -410,7 +499,7 @@ def real_onsets(model: str, detector, tmp: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", default=None)
-    parser.add_argument("--only", choices=["detector", "text", "ends"], default=None)
+    parser.add_argument("--only", choices=["detector", "text", "ends", "spans"], default=None)
     args = parser.parse_args()
     detector = load_detector()
     items = corpus()
@@ -424,6 +513,8 @@ def main() -> None:
                 text_evidence(model, items, Path(tmp))
             if args.only in (None, "ends"):
                 end_evidence(model, items, Path(tmp))
+            if args.only in (None, "spans"):
+                span_evidence(model, items, Path(tmp))
 
 
 if __name__ == "__main__":
