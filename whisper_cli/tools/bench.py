@@ -5,14 +5,14 @@ Method. Each configuration runs in a child process of its own (`python -m whispe
 one configuration's CPU memory, and it isolates compile caches and CUDA state as well. The
 child loads the model (timed), transcribes the whole audio once as a warm-up (compilation,
 allocator and kernel autotuning happen here), then `repeats` more times; the wall time is
-the median of those. Encoder and decoder time are measured by timing shims put around the
-decoder's `encode`, `decode` and per-token `step` at run time, so the pipeline itself is
-measured as shipped. CUDA is synchronised around every timer.
+the median of those. Encoder and decoder time, steps and tokens are read from the engine's
+and the transcriber's counters (differences over the timed runs): the engine is built timed,
+so that it synchronises the device around each stage, and is otherwise run as shipped.
 
 The audio is decoded once, in the parent, to 16 kHz float32 and handed to the children as
 a `.npy` file; a child tiles it to the asked duration on the fly, 30 s at a time, and
-serves it to the pipeline in place of a file. Audio decoding is thus not in the timings
-(it is in the CLI's), and memory stays bounded for any duration, as in the CLI.
+hands it to the pipeline as an opened input (an `AudioSource`). Audio decoding is thus not
+in the timings (it is in the CLI's), and memory stays bounded for any duration, as in the CLI.
 
 This module knows nothing of Typer or Rich: the CLI builds a `BenchConfig`, calls
 `run_bench` and prints `render_table` / `report_to_json`.
