@@ -729,7 +729,7 @@ def stage_dtype() -> dict[str, Any]:
     from whisper_cli.dtypes import resolve_policy
     from whisper_cli.loading import load_model
     from whisper_cli.pipeline import TranscribeOptions, Transcriber
-    from whisper_cli.tools.bench import BENCH_PATH, ArraySource, serve_audio
+    from whisper_cli.tools.bench import ArraySource, transcribe_source
 
     clip = speech_clip()
     seconds = 12 if small() else 40  # two windows
@@ -751,10 +751,10 @@ def stage_dtype() -> dict[str, Any]:
         decoder.new_caches = recorded
         source = ArraySource(clip, seconds * SAMPLE_RATE)
         started = time.perf_counter()
-        with exceptions_marked(DtypeRecorder()) as rec, serve_audio(source):
+        with exceptions_marked(DtypeRecorder()) as rec:
             rec.expected = policy.dtype
             with rec:
-                result = transcriber.transcribe(BENCH_PATH)
+                result = transcribe_source(transcriber, source)
         model = loaded.model
         tensors = dict(model.named_parameters()) | dict(model.named_buffers())
         kv = [t for c in caches for t in c.tensors()]
@@ -1248,7 +1248,7 @@ def real_steps(clip, n_samples: int) -> dict[str, dict[str, Any]]:
     from whisper_cli.dtypes import resolve_policy
     from whisper_cli.loading import load_model
     from whisper_cli.pipeline import TranscribeOptions, Transcriber
-    from whisper_cli.tools.bench import BENCH_PATH, ArraySource, serve_audio
+    from whisper_cli.tools.bench import ArraySource, transcribe_source
 
     name = "base"
     loaded = load_model(str(ROOT / "models" / name), resolve_policy("f32", "cpu"))
@@ -1267,8 +1267,7 @@ def real_steps(clip, n_samples: int) -> dict[str, dict[str, Any]]:
 
     engine.decode = counted
     started = time.perf_counter()
-    with serve_audio(ArraySource(clip, n_samples)):
-        transcript = transcriber.transcribe(BENCH_PATH)
+    transcript = transcribe_source(transcriber, ArraySource(clip, n_samples))
     full = [steps for rows, steps in decodes if rows == BATCH]
     return {
         name: {

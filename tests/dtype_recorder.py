@@ -31,6 +31,7 @@ class DtypeRecorder(TorchDispatchMode):
         self.violations: Counter[tuple[str, torch.dtype]] = Counter()
         self.expected: torch.dtype | None = None
         self.paused = 0
+        self.reached: Counter[str] = Counter()  # calls of each listed exception's sites
         self._exception_ids: set[int] = set()
         self._keep: list[torch.Tensor] = []  # keeps ids of tagged tensors from being reused
 
@@ -61,10 +62,28 @@ class DtypeRecorder(TorchDispatchMode):
         return out
 
 
+# The listed exception (whisper_cli.dtypes.F32_EXCEPTIONS) of each site marked below that
+# is not in kernels.py; every site in kernels.py is the "CPU kernels" exception.
+EXCEPTION_OF = {
+    ("SpeechStream", "_score"): "speech detector",
+    ("whisper_cli.pipeline", "batch_log_mel"): "audio front end",
+    ("whisper_cli.engine", "f32_log_softmax"): "log-softmax over logits",
+    ("whisper_cli.rules", "f32_logsumexp"): "log-softmax over logits",
+    ("whisper_cli.decoding", "f32_logprobs"): "log-softmax over logits",
+    ("whisper_cli.decoding", "f32_logsumexp"): "log-softmax over logits",
+    ("whisper_cli.decoding", "uniform"): "sampling draw",
+    ("whisper_cli.decoding", "f32_softmax"): "sampling draw",
+    ("whisper_cli.timing", "f32_log_softmax"): "word-timing cost",
+    ("whisper_cli.timing", "f32_alignment_weights"): "word-timing cost",
+}
+
+
 @contextlib.contextmanager
-def exceptions_marked(rec: DtypeRecorder) -> Iterator[DtypeRecorder]:
+def exceptions_marked(rec: DtypeRecorder, unmarked: str | None = None) -> Iterator[DtypeRecorder]:
     """While open, the listed exceptions' results are tagged (float32 allowed from them),
-    where they are used: the sites of whisper_cli that call them."""
+    where they are used: the sites of whisper_cli that call them. `unmarked`: one listed
+    exception whose sites are left as they are (their float32 is then recorded as any
+    other op's); `rec.reached` counts the calls of each exception's sites."""
     import whisper_cli.decoding as decoding
     import whisper_cli.engine as engine
     import whisper_cli.pipeline as pipeline
@@ -72,8 +91,9 @@ def exceptions_marked(rec: DtypeRecorder) -> Iterator[DtypeRecorder]:
     import whisper_cli.timing as timing
     from whisper_cli import kernels, speech
 
-    def exception(fn):
+    def exception(fn, listed):
         def wrapped(*args, **kwargs):
+            rec.reached[listed] += 1
             rec.paused += 1
             try:
                 result = fn(*args, **kwargs)
@@ -84,7 +104,7 @@ def exceptions_marked(rec: DtypeRecorder) -> Iterator[DtypeRecorder]:
 
         return wrapped
 
-    def encoder_door(fn):
+    def encoder_door(fn, listed):
         def wrapped(mel, dtype):
             assert mel.dtype == torch.float32
             result = fn(mel, dtype)
@@ -93,8 +113,9 @@ def exceptions_marked(rec: DtypeRecorder) -> Iterator[DtypeRecorder]:
 
         return wrapped
 
-    def inside(fn):  # a listed exception whose float32 never leaves it (NumPy or cast out)
+    def inside(fn, listed):  # a listed exception whose float32 never leaves it (NumPy or cast out)
         def wrapped(*args, **kwargs):
+            rec.reached[listed] += 1
             rec.paused += 1
             try:
                 result = fn(*args, **kwargs)
@@ -131,16 +152,28 @@ def exceptions_marked(rec: DtypeRecorder) -> Iterator[DtypeRecorder]:
         (timing, "f32_log_softmax", exception),
         (timing, "f32_alignment_weights", exception),
     ]
+
+    def listed(owner, name: str) -> str | None:
+        if owner is engine and name == "encoder_input":
+            return None  # not an exception: where the front end's float32 ends
+        if owner is kernels or any(owner is table for table, _ in tables):
+            return "CPU kernels"
+        return EXCEPTION_OF[(getattr(owner, "__name__", None), name)]
+
+    tables = (
+        (kernels.LOGITS, "f32-blocks"),
+        (kernels.LOGITS, "f32-packed"),
+        (kernels.LINEAR, "f32-upcast"),
+        (kernels.CONV1D, "f32-upcast"),
+        # --quantize int8: every kernel computes in float32 or int8 inside.
+        *((kernels.INT8_LINEAR, name) for name in kernels.INT8_LINEAR),
+    )
     with contextlib.ExitStack() as stack:
         for owner, name, wrap in patches:
-            stack.enter_context(mock.patch.object(owner, name, wrap(getattr(owner, name))))
-        for table, name in (
-            (kernels.LOGITS, "f32-blocks"),
-            (kernels.LOGITS, "f32-packed"),
-            (kernels.LINEAR, "f32-upcast"),
-            (kernels.CONV1D, "f32-upcast"),
-            # --quantize int8: every kernel computes in float32 or int8 inside.
-            *((kernels.INT8_LINEAR, name) for name in kernels.INT8_LINEAR),
-        ):
-            stack.enter_context(mock.patch.dict(table, {name: inside(table[name])}))
+            site = listed(owner, name)
+            if site is None or site != unmarked:
+                patch = wrap(getattr(owner, name), site)
+                stack.enter_context(mock.patch.object(owner, name, patch))
+        for table, name in tables if unmarked != "CPU kernels" else ():
+            stack.enter_context(mock.patch.dict(table, {name: inside(table[name], "CPU kernels")}))
         yield rec

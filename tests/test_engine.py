@@ -91,18 +91,22 @@ def test_static_cache_steps_equal_full_forward(random_dirs):
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
 
 
-def first_pass(tokens: list[int], ts_begin: int) -> list[int]:
-    """transformers' tokens up to where it seeks and decodes again (after a final pair)."""
-    for i in range(1, len(tokens)):
-        if tokens[i] >= ts_begin and tokens[i - 1] >= ts_begin and i + 1 < len(tokens):
-            nxt = tokens[i + 1]
-            if nxt >= ts_begin and nxt < tokens[i]:  # times went back: a new pass began
-                return tokens[: i + 1]
-    return tokens
+def first_pass(segments: list[dict], prompt: list[int], eot: int) -> list[int]:
+    """The tokens of transformers' first decoding pass over a window, as it decoded them.
+
+    Its long-form loop keeps a pass's complete segments only and decodes the audio again
+    from the last one (so its `sequences` drop the rest of that pass); each segment keeps
+    the whole output of the pass that made it, prompt included."""
+    sequence = segments[0]["result"]["sequences"].tolist()
+    assert sequence[: len(prompt)] == prompt
+    tokens = sequence[len(prompt) :]
+    return tokens[: tokens.index(eot)] if eot in tokens else tokens
 
 
 @pytest.mark.parametrize("timestamps", [False, True])
 def test_random_config_greedy_tokens_match_reference(random_dirs, timestamps):
+    """The same tokens as transformers' greedy decode of the same length (its first pass,
+    with timestamps): every token, the end or the length limit included."""
     ours = load_model(str(random_dirs), F32)
     ref = reference(random_dirs)
     mel = random_mel(ours.config.num_mel_bins)
@@ -112,15 +116,20 @@ def test_random_config_greedy_tokens_match_reference(random_dirs, timestamps):
         rows = engine.decode(engine.encode(mel), [language] * 2)
     kwargs = {"language": "en", "task": "transcribe"} if language else {}
     expected = ref.generate(
-        input_features=mel, return_timestamps=timestamps, max_new_tokens=24, **kwargs
+        input_features=mel,
+        return_timestamps=timestamps,
+        max_new_tokens=24,
+        return_dict_in_generate=timestamps,
+        **kwargs,
     )
-    ts_begin = ours.tokenizer.special.timestamp_begin
-    for row, exp in zip(rows, expected.tolist(), strict=True):
-        exp = [t for t in exp if t != ours.tokenizer.special.eot]
-        if timestamps:
-            exp = first_pass(exp, ts_begin)
-        assert list(row.tokens)[: len(exp)] == exp
-        assert len(row.tokens) >= 1
+    eot = ours.tokenizer.special.eot
+    if timestamps:
+        prompt = ours.tokenizer.prompt(language, "transcribe", timestamps=True)
+        expected = [first_pass(segments, prompt, eot) for segments in expected["segments"]]
+    else:
+        expected = [[t for t in exp if t != eot] for exp in expected.tolist()]
+    for row, exp in zip(rows, expected, strict=True):
+        assert list(row.tokens) == exp
 
 
 def words(text: str) -> list[str]:

@@ -122,8 +122,9 @@ print(json.dumps({{"threads": torch.get_num_threads(), "text": text,
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.splitlines()[-1])
-    assert report == {"threads": 2, "text": report["text"], "silero_imported": False}
-    assert "fellow americans" in english(report["text"])
+    assert (report["threads"], report["silero_imported"]) == (2, False)
+    # The run transcribed the speech: its text against what was said.
+    assert wer(JFK, report["text"]) <= 0.1, report["text"]
 
 
 # --- non-speech gives no text -----------------------------------------------------------------

@@ -5,14 +5,14 @@ Method. Each configuration runs in a child process of its own (`python -m whispe
 one configuration's CPU memory, and it isolates compile caches and CUDA state as well. The
 child loads the model (timed), transcribes the whole audio once as a warm-up (compilation,
 allocator and kernel autotuning happen here), then `repeats` more times; the wall time is
-the median of those. Encoder and decoder time are measured by timing shims put around the
-decoder's `encode`, `decode` and per-token `step` at run time, so the pipeline itself is
-measured as shipped. CUDA is synchronised around every timer.
+the median of those. Encoder and decoder time, steps and tokens are read from the engine's
+and the transcriber's counters (differences over the timed runs): the engine is built timed,
+so that it synchronises the device around each stage, and is otherwise run as shipped.
 
 The audio is decoded once, in the parent, to 16 kHz float32 and handed to the children as
 a `.npy` file; a child tiles it to the asked duration on the fly, 30 s at a time, and
-serves it to the pipeline in place of a file. Audio decoding is thus not in the timings
-(it is in the CLI's), and memory stays bounded for any duration, as in the CLI.
+hands it to the pipeline as an opened input (an `AudioSource`). Audio decoding is thus not
+in the timings (it is in the CLI's), and memory stays bounded for any duration, as in the CLI.
 
 This module knows nothing of Typer or Rich: the CLI builds a `BenchConfig`, calls
 `run_bench` and prints `render_table` / `report_to_json`.
@@ -35,13 +35,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
 from whisper_cli.allocator import keep_freed_memory
+from whisper_cli.audio import AudioInfo, AudioSource
 from whisper_cli.dtypes import check_quantize, expand_dtypes, resolve_device
-from whisper_cli.errors import WhisperCliError
+from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.features import N_SAMPLES, SAMPLE_RATE
 from whisper_cli.options import (
     COMPILE_CHOICES,
@@ -50,9 +51,13 @@ from whisper_cli.options import (
     default_model,
     use_compile,
 )
+from whisper_cli.results import Transcript
+
+if TYPE_CHECKING:
+    from whisper_cli.pipeline import Transcriber
 
 REFERENCES = ("transformers",)
-BENCH_PATH = "<bench audio>"  # the name the pipeline sees for the served audio
+BENCH_PATH = "<bench audio>"  # the name of the in-memory input (ArraySource)
 
 _REPO = Path(__file__).resolve().parents[2]
 # The default speech: every real clip of ../shared/audio, each stereo channel on its own.
@@ -392,23 +397,21 @@ def _result_from_dict(data: dict[str, Any]) -> ConfigResult:
 # --- the child: one configuration, measured ------------------------------------------------
 
 
-class ArraySource:
-    """An in-memory stand-in for `whisper_cli.audio.AudioSource`: a clip tiled to n samples."""
+class ArraySource(AudioSource):
+    """An opened input held in memory: a clip tiled to n samples, never decoded from a file."""
 
     def __init__(self, clip: np.ndarray, n_samples: int, path: str = BENCH_PATH) -> None:
-        from whisper_cli.audio import AudioInfo
-
+        info = AudioInfo(path, n_samples / SAMPLE_RATE, SAMPLE_RATE, 1)
+        super().__init__(info, "array", _never_opened, None)
         self.clip = clip
         self.n_samples = n_samples
-        self.info = AudioInfo(path, n_samples / SAMPLE_RATE, SAMPLE_RATE, 1)
-        self.backend = "array"
-        self.live = False
-
-    def waited(self) -> bool:
-        return False
 
     def blocks(self, block_seconds: float = 30.0) -> Iterator[np.ndarray]:
         return tiled_blocks(self.clip, self.n_samples, round(block_seconds * SAMPLE_RATE))
+
+
+def _never_opened() -> BinaryIO:
+    raise AssertionError("an ArraySource is read through its blocks, not from a file")
 
 
 def tiled_blocks(clip: np.ndarray, n_samples: int, block: int = N_SAMPLES) -> Iterator[np.ndarray]:
@@ -418,23 +421,14 @@ def tiled_blocks(clip: np.ndarray, n_samples: int, block: int = N_SAMPLES) -> It
         yield np.take(clip, np.arange(start, stop), mode="wrap")
 
 
-@contextlib.contextmanager
-def serve_audio(source: ArraySource) -> Iterator[None]:
-    """Make the pipeline open `source` for its path (the pipeline only opens by path)."""
-    from whisper_cli import pipeline
-
-    original = pipeline.open_audio
-
-    def open_audio(path, channel=None, stdin=None):
-        if str(path) == source.info.path:
-            return source
-        return original(path, channel=channel, stdin=stdin)
-
-    pipeline.open_audio = open_audio
-    try:
-        yield
-    finally:
-        pipeline.open_audio = original
+def transcribe_source(transcriber: Transcriber, source: AudioSource) -> Transcript:
+    """One opened input, whole (Transcriber.run takes opened sources as well as paths)."""
+    results: list[Transcript] = []
+    errors: list[InputError] = []
+    transcriber.run([source], results.append, errors.append)
+    if errors:
+        raise errors[0]
+    return results[0]
 
 
 def measure(
@@ -486,27 +480,26 @@ def measure(
     def timed_run():
         sync()
         t0 = time.perf_counter()
-        transcript = transcriber.transcribe(BENCH_PATH)
+        transcript = transcribe_source(transcriber, source)
         sync()
         return time.perf_counter() - t0, transcript
 
-    with serve_audio(source):
-        warmup_wall, _ = timed_run()
-        # Only the timed runs count: differences of the counters over them.
-        before = dataclasses.replace(transcriber.counters)
-        engine_before = dataclasses.replace(engine.counters)
-        if on_warmup:
-            on_warmup(
-                {
-                    "load_s": load_s,
-                    "compile": compiled,
-                    "warmup_wall_s": warmup_wall,
-                    "audio_s": spec["n_samples"] / SAMPLE_RATE,
-                    "engine_warmup": dataclasses.asdict(engine_before),
-                    "counters_warmup": dataclasses.asdict(before),
-                }
-            )
-        runs = [timed_run() for _ in range(spec["repeats"])]
+    warmup_wall, _ = timed_run()
+    # Only the timed runs count: differences of the counters over them.
+    before = dataclasses.replace(transcriber.counters)
+    engine_before = dataclasses.replace(engine.counters)
+    if on_warmup:
+        on_warmup(
+            {
+                "load_s": load_s,
+                "compile": compiled,
+                "warmup_wall_s": warmup_wall,
+                "audio_s": spec["n_samples"] / SAMPLE_RATE,
+                "engine_warmup": dataclasses.asdict(engine_before),
+                "counters_warmup": dataclasses.asdict(before),
+            }
+        )
+    runs = [timed_run() for _ in range(spec["repeats"])]
     n = len(runs)
     ran = _per_run(engine.counters, engine_before, n)
     run_counters = _per_run(transcriber.counters, before, n)
