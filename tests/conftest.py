@@ -4,16 +4,29 @@
 asks for them and shared by every later test (skipped locally, failed under CI=true,
 when `make models` has not been run). `transcriber` builds a `Transcriber` over one of
 them with the given options; `cached_cli_models` makes in-process CLI runs reuse the
-loaded models instead of reading the weights again on every invocation.
+loaded models instead of reading the weights again on every invocation. The kernel cache
+of the whole session is a file of its own (`isolated_kernels_cache`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from util import real_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_kernels_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The kernel cache of the whole session, in a folder of its own: no test reads the
+    choices timed by an earlier run (under whatever load that machine had), and none
+    writes into the user's ~/.cache/whisper-cli."""
+    path = tmp_path_factory.mktemp("kernels") / "kernels.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WHISPER_CLI_KERNELS_CACHE", str(path))
+        patch.delenv("WHISPER_CLI_KERNELS", raising=False)
+        yield path
 
 
 def _load(name: str):
