@@ -1,43 +1,33 @@
-"""Attention, the vocabulary projection, linear layers (also with int8 weights, under
-`--quantize int8`) and convolutions, each run by the implementation that is fastest on this
-machine, chosen by measurement rather than by assumption.
+"""CPU kernels for attention, the tied vocabulary projection, linear layers (also with
+int8 weights, under `--quantize int8`) and convolutions, and the plan that says which
+implementation runs each call.
 
-Why: which kernel is fastest depends on the CPU and the dtype, by factors of 2 to 60.
-Measured with torch 2.13, 2 threads (ms per call, scripts/kernel_timings.py):
+Every op has a reference implementation, torch's own (SDPA, `hidden @ weight.T`,
+F.linear, F.conv1d; for int8 weights, the dequantizing linear), and on the CPU a few
+others. Which one is fastest depends on the CPU, the dtype and the shape, by factors up to
+tens (README, Speed), so it is measured on the machine, never assumed.
 
-* AMD EPYC Zen 3 (AVX2 only), bf16 through torch's own path against float32 copies of
-  the inputs (one rounding of the result, "f32-upcast"): tiny's encoder fc1 at 1536 rows
-  141 ms against 19, its conv2 on one window 777 against 12: a bf16 window's encoder
-  2.3 s against 0.47 (f32: 0.45). The f32 vocabulary projection through a oneDNN weight
-  packed once ("packed"): 6.8 / 8.0 / 11.9 ms at M 1 / 5 / 16 against 12.4 / 22.9 / 22.3.
+Invariants:
+* Every implementation is as exact as the reference or closer, against a float64
+  reference: f16/bf16 inputs are computed in float32 and the result rounded once to the
+  input dtype. Attention never rounds its scores to a half dtype (with peaked scores that
+  has several times SDPA's error); it computes them in float32, as SDPA's CPU kernel does.
+* A model's choices are a KernelPlan, made once where the model is loaded (build_plan, for
+  every shape class the run can reach) and held by the modules that call a kernel. A call
+  only looks its shape class up in memory: nothing in a forward pass times, reads or
+  writes anything, and a model runs the same kernels for its whole life. A class outside
+  the plan runs the reference.
+* A choice in mode auto comes from the cache file (kernels_cache_path()), per CPU model,
+  torch version, thread count, dtype and shape class; where it has none, from a timing of
+  every candidate on synthetic inputs of that class (time_candidates), merged into the
+  file. Another implementation replaces the reference only when TIMING_MARGIN faster, so
+  near-equals keep the reference.
+* Off the CPU, and while torch.compile traces (one graph, no choice on the Python side),
+  the reference runs.
 
-* AMD EPYC Zen 4 (avx512_bf16, no AMX), issue 12: decode cross-attention (B 16, H 6,
-  1 query, 1500 keys, D 64) takes 3.0 ms per layer with `scaled_dot_product_attention`
-  in f32 but 9.8 ms in bf16 (2.0 ms as bf16 matmuls, scores rounded to bf16: not exact
-  enough, see below); on the encoder (1500 x 1500) SDPA runs at 127 GFLOP/s in bf16,
-  below bf16 GEMMs (308); the f32 vocabulary projection at M 16 at 53 GFLOP/s.
-* AMD EPYC Zen 3 (AVX2 only; 2 vCPUs, shared, load ~2), tiny.en / large-v3 shapes:
-  bf16 decode cross-attention SDPA 21.7 / 70.7, "blocked" 11.7 / 28.0; bf16 decode
-  self-attention over 240 slots SDPA 3.2 / 13.2, "blocked" 1.1 / 8.6; the vocabulary
-  projection (M 16, V 51865) in f32 `hidden @ weight.T` 46 / 184, "weight-first" 23 / 96,
-  in bf16 75 / 117 against "f32-blocks" 25 / 55. SDPA stays fastest for f32 attention
-  and for the encoder in both dtypes (54-60 GFLOP/s; "blocked" 74-78 ms against 54-61).
-
-So each call picks, per (CPU model, torch version, threads, dtype, shape class, shape
-bucket), the fastest of a few implementations, timed once on synthetic tensors of that
-shape (interleaved rounds, fastest call of each, `time_candidates`) and remembered in
-memory and in a JSON file (`kernels_cache_path()`). On CUDA, and while torch.compile
-traces, the reference implementations run (SDPA, `hidden @ weight.T`, F.linear,
-F.conv1d), with no timing; f32 linear layers and convolutions have the reference alone.
-
-Exactness: every implementation is as close to a float64 reference as SDPA or closer.
-Rounding attention scores to bf16 is not (7x SDPA's error with peaked scores), so for
-f16/bf16 inputs matmul attention runs in float32, as SDPA's CPU kernel computes its
-scores and sums internally, and its result is rounded once to the input dtype.
-
-`WHISPER_CLI_KERNELS`: `auto` (default, measure), `reference` (SDPA and `@`, today's
-kernels), or a comma list of implementation names forced where they apply (the
-reference elsewhere); neither of the last two times or writes anything.
+`WHISPER_CLI_KERNELS`: `auto` (default), `reference`, or a comma list of implementation
+names forced where they apply (the reference elsewhere); neither of the last two times or
+writes anything.
 """
 
 from __future__ import annotations
@@ -68,11 +58,10 @@ Attention = Callable[[Tensor, Tensor, Tensor, "Tensor | None", bool], Tensor]
 Logits = Callable[[Tensor, Tensor], Tensor]
 
 # Query rows per block of "blocked" attention, and the most bytes one tile of (batch,
-# head) pairs may hold in f32 scores, and in f32 copies of f16/bf16 keys and values.
-# Measured on Zen 3 (2 threads): the encoder's tiles are fastest with scores of 1-2 MiB
-# (71 ms per window, 80 at 4 MiB); bf16 decode cross-attention with 16 MiB upcasts
-# (7.9 ms; 11.5 at 4, 16.0 at 1), where a whole f32 copy of the cache (37 MB, past
-# glibc's 32 MiB mmap threshold, so page-faulted in on every call) took 91 ms.
+# head) pairs may hold in f32 scores, and in f32 copies of f16/bf16 keys and values: the
+# scores of a tile stay in cache, and an upcast tile stays under glibc's mmap threshold
+# (a whole f32 copy of a decode cache is past it, so page-faulted in on every call).
+# The sizes are the fastest measured (README, Speed).
 BLOCK_ROWS = 256
 SCORE_TILE_BYTES = 2 << 20
 UPCAST_TILE_BYTES = 16 << 20
@@ -80,7 +69,7 @@ UPCAST_TILE_BYTES = 16 << 20
 LOGIT_BLOCK_ROWS = 1024
 # Queries at least this long are the encoder's shape class (the decoder has at most 448).
 ENCODER_ROWS = 512
-CONV_TIMING_LENGTH = 512  # frames a convolution is timed on (see conv1d_choice)
+CONV_TIMING_LENGTH = 512  # frames a convolution is timed on (see _conv1d_shape)
 # Timing: most elements of one synthetic K tensor (the batch is cut to fit). Each
 # candidate is warmed up once (one TIMING_CUTOFF times slower than the best warm-up is
 # dropped there), then the rest are called in turn, round after round (a load burst on a
@@ -94,7 +83,7 @@ TIMING_MAX_REPS = 20
 TIMING_MIN_S = 0.05
 TIMING_CUTOFF = 4.0
 TIMING_MARGIN = 0.95
-CACHE_VERSION = 2  # 2: "packed" joined the projection's candidates (older choices re-timed)
+CACHE_VERSION = 2  # a file of another version is read as empty (its choices timed again)
 
 
 # --- attention implementations ------------------------------------------------------
