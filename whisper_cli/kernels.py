@@ -165,8 +165,8 @@ def _blocked(q, k, v, mask, causal):
 ATTENTION: dict[str, Attention] = {
     # torch's fused kernel: the reference, and the fastest for f32 where measured.
     "sdpa": _sdpa,
-    # Two GEMMs and a softmax in f32: where SDPA's f16/bf16 path is slow (Zen 3 decode
-    # self-attention over 240 keys in bf16: 1.05 ms against 3.4 ms).
+    # Two GEMMs and a softmax in f32: for CPUs where SDPA's f16/bf16 path is slow (decode
+    # self-attention without native bf16, README, Speed).
     "matmul": _matmul,
     # The same in cache-sized tiles: the encoder's long queries without the full score
     # tensor, and the bf16 decode caches upcast a tile at a time instead of whole.
@@ -209,9 +209,8 @@ def _logits_f32_blocks(hidden, weight):
 
 
 def _logits_weight_first(hidden, weight):
-    """(V, C) @ (C, M), then transposed to (M, V) contiguous: BLAS streams the tall
-    weight with 16 columns better than 16 rows against its transpose (Zen 3 f32, C 1280:
-    77 ms against 190)."""
+    """(V, C) @ (C, M), then transposed to (M, V) contiguous: some BLAS builds stream the
+    tall weight against a few columns much faster than a few rows against its transpose."""
     rows = hidden.reshape(-1, hidden.shape[-1])  # (M, C)
     out = (weight @ rows.T).T.contiguous()  # (M, V)
     return out.view(*hidden.shape[:-1], weight.shape[0])
@@ -268,10 +267,9 @@ def _derived(weight: Tensor, kind: str, make: Callable[[], object]):
 
 def _logits_packed(hidden, weight, packed: Tensor | None = None):
     """oneDNN's linear over a copy of the weight packed once in its blocked layout, so no
-    call repacks the (V, C) matrix, as BLAS does for every call (Zen 3 f32, V 51864,
-    C 384: 6.8 / 8.0 / 11.9 ms at M 1 / 5 / 16, against 12.4 / 22.9 / 22.3 for `@`).
-    Costs one more copy of the embedding once chosen (tiny: 80 MB in f32). `packed`: a
-    copy packed by the caller (timing packs its own, so the run keeps none unchosen)."""
+    call repacks the (V, C) matrix, as BLAS does for every call. Costs one more copy of
+    the embedding once chosen. `packed`: a copy packed by the caller (timing packs its
+    own, so the run keeps none unchosen)."""
     rows = hidden.reshape(-1, hidden.shape[-1])  # (M, C)
     packed = _packed(weight) if packed is None else packed
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
@@ -317,10 +315,10 @@ def _f32_copies(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | N
 def _linear_f32(x, weight, bias, f32: tuple[Tensor, Tensor | None] | None = None):
     """x W^T + b in float32 from f16/bf16 inputs, the result rounded once: what a half GEMM
     accumulating in f32 computes (products of bf16 or f16 values are exact in f32), at f32
-    GEMM speed on CPUs without native half GEMMs (Zen 3, AVX2 only, bf16 encoder fc1 of
-    tiny at M 3000: 290 ms through torch's bf16 path). The weight and bias in float32 are
-    the kept copies (_f32_copies), so no call converts them; `f32`: copies of the caller's
-    (timing makes its own, so that the run keeps none it did not choose)."""
+    GEMM speed on CPUs without native half GEMMs (where torch's bf16 path is several times
+    slower, README, Speed). The weight and bias in float32 are the kept copies
+    (_f32_copies), so no call converts them; `f32`: copies of the caller's (timing makes
+    its own, so that the run keeps none it did not choose)."""
     w, b = _f32_copies(weight, bias) if f32 is None else f32
     return F.linear(x.float(), w, b).to(x.dtype)
 
@@ -331,7 +329,7 @@ LINEAR: dict[str, Callable] = {"linear": F.linear, "f32-upcast": _linear_f32}
 def _conv1d_f32(x, weight, bias, stride, padding, f32=None):
     """The convolution in float32 from f16/bf16 inputs and the kept float32 copies of its
     weight and bias, rounded once (see _linear_f32): torch's bf16 convolution on AVX2 is its
-    slow reference loop (tiny's encoder conv2, two windows: 1.16 s)."""
+    slow reference loop."""
     w, b = _f32_copies(weight, bias) if f32 is None else f32
     return F.conv1d(x.float(), w, b, stride, padding).to(x.dtype)
 
