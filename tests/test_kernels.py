@@ -845,3 +845,33 @@ def test_kept_f32_copies_give_a_real_bf16_model_the_per_call_upcast_logits(monke
     per_call = lambda weight, bias: (weight.float(), None if bias is None else bias.float())  # noqa: E731
     monkeypatch.setattr(kernels, "_f32_copies", per_call)
     assert torch.equal(logits(), kept)
+
+
+def test_a_run_within_the_reach_stays_in_its_plan(monkeypatch):
+    """Every call of a transcription with the options the model was loaded for (a batch,
+    word timestamps) finds its shape class in the plan: none is decided at the call. (The
+    reference mode: a miss would be decided as a hit is, so only the lookup tells.)"""
+    from util import real_model, shared_clip
+
+    from whisper_cli.dtypes import resolve_policy
+    from whisper_cli.loading import load_model
+    from whisper_cli.options import TranscribeOptions
+    from whisper_cli.pipeline import Transcriber
+
+    monkeypatch.setenv("WHISPER_CLI_KERNELS", "reference")
+    options = TranscribeOptions(batch_size=2, word_timestamps=True)
+    loaded = load_model(str(real_model("tiny.en")), resolve_policy("f32", "cpu"), options)
+    missed = []
+    monkeypatch.setattr(kernels, "_untimed", lambda mode, cands: missed.append(cands) or cands[0])
+    result = Transcriber(loaded, options).transcribe(str(shared_clip("jfk.flac")))
+    assert any(s.words for s in result.segments)  # the alignment pass ran
+    calls = loaded.model.plan._memo  # every call shape the run made
+    assert len(calls) > 20 and missed == []
+
+    # Loaded for runs without an initial prompt: a long one falls outside the plan.
+    plain = TranscribeOptions(batch_size=2)
+    narrow = load_model(str(real_model("tiny.en")), resolve_policy("f32", "cpu"), plain)
+    missed.clear()  # the build decides its reference choices by the same function
+    prompted = TranscribeOptions(batch_size=2, initial_prompt=" ".join(["Americans"] * 100))
+    Transcriber(narrow, prompted).transcribe(str(shared_clip("jfk.flac")))
+    assert missed
