@@ -4,11 +4,12 @@
         [--dtypes f32,bf16] [--cache]
         [--only decode-cross,decode-self,encoder,logits,linear-encoder,linear-decode,conv]
 
-For each model, dtype and kernel, every implementation is timed by the selector's own
+For each model, dtype and kernel, every implementation is timed by the kernel plan's own
 protocol (kernels.time_candidates: one warm-up each, then calls in turn for at least
 --reps rounds, min per implementation; one whose warm-up is 4x the best warm-up is shown
-with that time and a `*`), then the selector picks as a run would (its own timing at the
-shape bucket, on a fresh cache file unless --cache, which uses and fills the real one).
+with that time and a `*`), then a plan made for that call picks as a load would (its own
+timing of the shape class, on a fresh cache file unless --cache, which uses and fills the
+real one).
 Shapes: decode cross-attention B 16 x 1 query x 1500 keys, decode self-attention over
 240 cache slots, the encoder's self-attention 1500 x 1500 per window (B 1; a batch of 16
 windows costs 16x), the tied vocabulary projection at M 16 (one token of 16 rows),
@@ -76,7 +77,8 @@ def attention_case(kernel: str, heads: int, dtype: torch.dtype):
     else:  # one query: memory-bound, GB/s of keys and values read
         rate = (2 * k.numel() * k.element_size(), "GB/s")
     shape = f"B{b} H{heads} T{t} S{s}"
-    return impls, (lambda: kernels.attention_choice(q, k)), rate, shape, "sdpa"
+    call = (b, heads, t, s, HEAD_DIM, "none")
+    return impls, (lambda: planned("attention", dtype, call)), rate, shape, "sdpa"
 
 
 def logits_case(d_model: int, dtype: torch.dtype):
@@ -88,7 +90,8 @@ def logits_case(d_model: int, dtype: torch.dtype):
     impls["transposed-copy(info)"] = lambda: hidden @ weight_t
     rate = (weight.numel() * weight.element_size(), "GB/s")  # the table, read once
     shape = f"M{BATCH} C{d_model} V{VOCAB}"
-    return impls, (lambda: kernels.logits_choice(hidden, weight)), rate, shape, "matmul"
+    call = (BATCH, VOCAB, d_model)
+    return impls, (lambda: planned("logits", dtype, call, weight)), rate, shape, "matmul"
 
 
 def linear_case(d_model: int, dtype: torch.dtype, rows: int):
@@ -101,7 +104,8 @@ def linear_case(d_model: int, dtype: torch.dtype, rows: int):
     else:
         rate = (weight.numel() * weight.element_size(), "GB/s")
     shape = f"M{rows} K{d_model} N{4 * d_model}"
-    return impls, (lambda: kernels._selector().linear_choice(x, weight)), rate, shape, "linear"
+    call = (rows, 4 * d_model, d_model)
+    return impls, (lambda: planned("linear", dtype, call, weight)), rate, shape, "linear"
 
 
 def conv_case(d_model: int, dtype: torch.dtype):
@@ -111,11 +115,18 @@ def conv_case(d_model: int, dtype: torch.dtype):
     impls = {n: (lambda f=kernels.CONV1D[n]: f(x, weight, None, 2, 1)) for n in names}
     rate = (2 * FRAMES * weight.numel(), "GFLOP/s")
     shape = f"C{d_model} L{2 * FRAMES} W3 stride 2"
-    return impls, (lambda: kernels._selector().conv1d_choice(x, weight, 2, 1)), rate, shape, "conv"
+    call = (d_model, d_model, 3, 2 * FRAMES, 2, 1)
+    return impls, (lambda: planned("conv1d", dtype, call, weight)), rate, shape, "conv"
+
+
+def planned(op: str, dtype: torch.dtype, shape: tuple, weight=None) -> str:
+    """What a kernel plan made for this one call runs (from the cache, or timed for it)."""
+    plan = kernels.build_plan([kernels.KernelCall(op, shape, weight)], dtype)
+    return plan.choice(op, dtype, *shape)
 
 
 def row(case, reps: int) -> str:
-    """Time every implementation, ask the selector, and format the rest of a table row."""
+    """Time every implementation, ask a plan, and format the rest of a table row."""
     impls, choose, (work, unit), shape, ref = case
     kernels.TIMING_REPS = reps
     times = kernels.time_candidates(impls)
@@ -138,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
         tmp = tempfile.mkdtemp(prefix="kernel-timings-")
         os.environ["WHISPER_CLI_KERNELS_CACHE"] = str(Path(tmp) / "kernels.json")
     os.environ.pop("WHISPER_CLI_KERNELS", None)
-    kernels.reset()
 
     print(f"CPU: {kernels.cpu_model()} ({platform.machine()}; flags: {cpu_flags()})")
     print(
@@ -147,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}, "
         f"load average {os.getloadavg()[0]:.2f} at start"
     )
-    print(f"selector cache: {kernels.kernels_cache_path()}\n")
+    print(f"kernel cache: {kernels.kernels_cache_path()}\n")
     print("| kernel | model | dtype | shape | ms per call | pick | ref/pick | best rate |")
     print("|---|---|---|---|---|---|---|---|")
     started = time.perf_counter()

@@ -4,16 +4,39 @@
 asks for them and shared by every later test (skipped locally, failed under CI=true,
 when `make models` has not been run). `transcriber` builds a `Transcriber` over one of
 them with the given options; `cached_cli_models` makes in-process CLI runs reuse the
-loaded models instead of reading the weights again on every invocation.
+loaded models instead of reading the weights again on every invocation. The kernel cache
+of the whole session is a file of its own (`isolated_kernels_cache`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from util import real_model
+
+# The kernels of the suite's models: torch's reference everywhere, but for half-precision
+# linear layers and convolutions their float32 upcast (as exact as a half GEMM accumulating
+# in float32, and fast on CPUs without native half GEMMs, where the reference takes
+# seconds per window).
+SUITE_KERNELS = "f32-upcast"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_kernels_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The kernel cache of the whole session, in a folder of its own: no test reads the
+    choices timed by an earlier run (under whatever load that machine had), and none
+    writes into the user's ~/.cache/whisper-cli.
+
+    Models load with a plan that times nothing (SUITE_KERNELS), so every test runs the
+    kernels it was given, whatever this machine's timings; a test of the timed choices
+    sets WHISPER_CLI_KERNELS itself."""
+    path = tmp_path_factory.mktemp("kernels") / "kernels.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WHISPER_CLI_KERNELS_CACHE", str(path))
+        patch.setenv("WHISPER_CLI_KERNELS", SUITE_KERNELS)
+        yield path
 
 
 def _load(name: str):
@@ -60,7 +83,7 @@ def cached_cli_models(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRe
     real_load = loading.load_model
     fixtures = {"tiny.en": "tiny_en", "base": "base_model"}
 
-    def load_model(name: str, policy):
+    def load_model(name: str, policy, options=None):
         path = Path(name).expanduser()
         plain_f32 = policy.name == "f32" and policy.quantize == "none"
         if path.is_dir() and plain_f32 and policy.device.type == "cpu":
@@ -68,7 +91,7 @@ def cached_cli_models(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRe
                 if path.resolve() == real_model(model).resolve():
                     cached = request.getfixturevalue(fixture)
                     return type(cached)(**{**vars(cached), "name": name})
-        return real_load(name, policy)
+        return real_load(name, policy, options)
 
     load_model.__wrapped__ = real_load
     monkeypatch.setattr(loading, "load_model", load_model)

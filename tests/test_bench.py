@@ -51,6 +51,8 @@ RESULT_FIELDS = {
     "decode_steps",
     "generated_tokens",
     "comparison",
+    "kernels",
+    "kernels_summary",
 }
 
 
@@ -161,6 +163,15 @@ def test_render_table_and_json_of_a_report() -> None:
     assert report_to_json(report, include_text=True)["results"][0]["text"] == "a long text"
 
 
+def test_the_kernel_plan_is_reported() -> None:
+    plan = {"mode": "auto", "choices": {"attention/f32/decode/B1xH6xT1xS64xD64/none": "sdpa"}}
+    result = _fake_result(kernels=plan, kernels_summary="auto (cpu, f32): attention sdpa x1")
+    report = BenchReport(BenchConfig(model="tiny.en", dtypes=("f32",)), "speech", 600.0, (result,))
+    assert "kernels of tiny.en f32: auto (cpu, f32): attention sdpa x1" in render_table(report)
+    data = json.loads(json.dumps(report_to_json(report)))
+    assert data["results"][0]["kernels"] == plan
+
+
 def test_the_quantization_is_reported() -> None:
     config = BenchConfig(model="tiny.en", dtypes=("f32",), quantize="int8", device="cpu")
     report = BenchReport(config, "speech", 600.0, (_fake_result(quantize="int8"),))
@@ -263,6 +274,15 @@ def test_short_real_run_reports_every_field() -> None:
     text = report.results[0].text
     assert result["text_sha256"] == hashlib.sha256(text.encode()).hexdigest()
     assert result["comparison"] is None
+    # The kernel plan the model ran with: the suite's (see conftest.SUITE_KERNELS), made at
+    # load for batches of 4, its choices named per shape class.
+    kernels = result["kernels"]
+    assert kernels["mode"] == "f32-upcast" and kernels["dtype"] == "f32"
+    assert kernels["threads"] == 1 and kernels["timed_now"] == 0
+    assert "attention/f32/decode/B4xH6xT1xS64xD64/none" in kernels["choices"]
+    assert not any("/B8x" in name for name in kernels["choices"])  # batches of 4 at most
+    assert set(kernels["choices"].values()) <= {"sdpa", "matmul", "linear", "conv"}
+    assert result["kernels_summary"].startswith("f32-upcast (cpu, f32, 1 threads")
     assert report.results[0].words > 20  # 30 s of speech was transcribed
     assert "ask not what your country can do for you" in report.results[0].text.lower()
 

@@ -502,6 +502,10 @@ def test_quiet_and_verbose() -> None:
     assert [text for _, _, text in lines] == verbose.stdout.splitlines()
     starts = [float(start) for start, _, _ in lines]
     assert starts == sorted(starts) and float(lines[-1][1]) <= 11.0
+    # The model's kernel plan, one line (the suite's: see conftest.SUITE_KERNELS).
+    [plan] = [line for line in verbose.stderr.splitlines() if " kernels " in line]
+    assert plan.startswith("whisper-cli: kernels f32-upcast (cpu, f32, ")
+    assert "attention sdpa x" in plan
 
 
 def test_usage_errors_before_any_work(tmp_path: Path) -> None:

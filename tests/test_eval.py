@@ -43,7 +43,7 @@ class FakeRun:
         self.loads: list[str] = []
         self.calls: list[tuple[TranscribeOptions, list[str]]] = []
 
-    def load_model(self, name, policy):
+    def load_model(self, name, policy, options=None):
         self.loads.append(policy.name)
         tokenizer = SimpleNamespace(is_multilingual=self.multilingual)
         name = name or default_model(policy.device.type)  # as loading.load_model names it

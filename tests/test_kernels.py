@@ -4,7 +4,6 @@ the selection (timing once, the JSON cache, the override, nothing timed while co
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
@@ -17,13 +16,10 @@ HALF = [torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(autouse=True)
-def fresh_selector(tmp_path, monkeypatch):
-    """Each test: its own cache file, the environment reread, nothing remembered."""
+def own_cache(tmp_path, monkeypatch):
+    """Each test: its own cache file, and the timed choices (mode auto) unless it asks."""
     monkeypatch.setenv("WHISPER_CLI_KERNELS_CACHE", str(tmp_path / "kernels.json"))
     monkeypatch.delenv("WHISPER_CLI_KERNELS", raising=False)
-    kernels.reset()
-    yield
-    kernels.reset()
 
 
 def no_timing(*_args, **_kwargs):
@@ -109,9 +105,7 @@ def test_blocked_tiles_batch_rows_at_decode(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_real_size_decode_cross_attention(dtype):
     """tiny's decode cross-attention as it runs: B 16, H 6, one query, 1500 keys, D 64."""
-    check_attention(
-        *qkv(16, 6, 1, 1500, 64, dtype), impls=kernels.attention_candidates("decode", dtype)
-    )
+    check_attention(*qkv(16, 6, 1, 1500, 64, dtype), impls=kernels.attention_candidates("decode"))
 
 
 @pytest.mark.parametrize(
@@ -239,58 +233,73 @@ def test_each_conv1d_matches_float64(dtype, stride):
         assert rel_err(out, ref) <= 1.01 * rel_err(plain, ref), name
 
 
-def test_f32_linear_and_conv_are_never_timed(tmp_path, monkeypatch):
-    """f32 has the reference alone: called straight, nothing timed or saved."""
-    monkeypatch.setattr(kernels, "time_candidates", no_timing)
-    x, weight = torch.randn(4, 1, 32), torch.randn(48, 32)
-    torch.testing.assert_close(kernels.linear(x, weight), F.linear(x, weight))
-    mel, conv = torch.randn(1, 8, 40), torch.randn(16, 8, 3)
-    torch.testing.assert_close(
-        kernels.conv1d(mel, conv, None, 2, 1), F.conv1d(mel, conv, None, 2, 1)
-    )
-    assert kernels.upcast_candidates("linear", torch.float32) == ("linear",)
-    assert not (tmp_path / "kernels.json").exists()
-
-
-def test_half_linear_and_conv_choices_are_timed_and_saved(tmp_path):
-    x, weight = torch.randn(5, 1, 32).bfloat16(), torch.randn(48, 32).bfloat16()
-    kernels.linear(x, weight)
-    mel, conv = torch.randn(1, 8, 40).bfloat16(), torch.randn(16, 8, 3).bfloat16()
-    kernels.conv1d(mel, conv, None, 2, 1)
-    saved = entries(tmp_path / "kernels.json")
-    names = sorted(key.split("|")[-1] for key in saved)
-    assert names == ["conv1d/bf16/Cin8xCout16xW3xL64/s2p1", "linear/bf16/M8xN48xK32"]
-    assert {n for e in saved.values() for n in e["ms"]} == {"linear", "conv", "f32-upcast"}
-
-
-# --- selection ---------------------------------------------------------------------
+# --- the plan ------------------------------------------------------------------------
 
 
 def entries(path) -> dict:
     return json.loads(path.read_text())["entries"]
 
 
-def test_first_call_times_once_and_writes_the_cache(tmp_path, monkeypatch):
-    q, k, v = qkv(2, 2, 1, 40, 16, torch.bfloat16)
-    want = F.scaled_dot_product_attention(q, k, v)
-    out = kernels.attention(q, k, v)
-    assert rel_err(out, want.double()) < 1e-2
+def call(op: str, *shape, weight=None) -> kernels.KernelCall:
+    return kernels.KernelCall(op, shape, weight)
+
+
+def plan_of(calls, dtype, **kwargs) -> kernels.KernelPlan:
+    return kernels.build_plan(calls, dtype, **kwargs)
+
+
+def test_f32_linear_and_conv_are_never_timed(tmp_path, monkeypatch):
+    """f32 has the reference alone: chosen without a timing, nothing saved."""
+    monkeypatch.setattr(kernels, "time_candidates", no_timing)
+    x, weight = torch.randn(4, 1, 32), torch.randn(48, 32)
+    mel, conv = torch.randn(1, 8, 40), torch.randn(16, 8, 3)
+    calls = [
+        call("linear", 4, 48, 32, weight=weight),
+        call("conv1d", 8, 16, 3, 40, 2, 1, weight=conv),
+    ]
+    plan = plan_of(calls, torch.float32)
+    assert set(plan.choices.values()) == {"linear", "conv"} and not plan.timed
+    torch.testing.assert_close(kernels.linear(x, weight, None, plan), F.linear(x, weight))
+    torch.testing.assert_close(
+        kernels.conv1d(mel, conv, None, 2, 1, plan), F.conv1d(mel, conv, None, 2, 1)
+    )
+    assert kernels.upcast_candidates("linear", torch.float32) == ("linear",)
+    assert not (tmp_path / "kernels.json").exists()
+
+
+def test_half_linear_and_conv_choices_are_timed_and_saved(tmp_path):
+    weight, conv = torch.randn(48, 32).bfloat16(), torch.randn(16, 8, 3).bfloat16()
+    calls = [
+        call("linear", 5, 48, 32, weight=weight),
+        call("conv1d", 8, 16, 3, 40, 2, 1, weight=conv),
+    ]
+    plan = plan_of(calls, torch.bfloat16)
+    saved = entries(tmp_path / "kernels.json")
+    names = sorted(key.split("|")[-1] for key in saved)
+    assert names == ["conv1d/bf16/Cin8xCout16xW3xL64/s2p1", "linear/bf16/M8xN48xK32"]
+    assert sorted(plan.timed) == names
+    assert {n for e in saved.values() for n in e["ms"]} == {"linear", "conv", "f32-upcast"}
+
+
+def test_a_plan_times_once_and_writes_the_cache(tmp_path, monkeypatch):
+    plan = plan_of([call("attention", 2, 2, 1, 40, 16, "none")], torch.bfloat16)
     saved = entries(tmp_path / "kernels.json")
     (key, entry), *more = saved.items()
     assert not more
-    assert "/bf16/decode/B2xH2xT1xS64xD16/none" in key
+    assert key.endswith("|attention/bf16/decode/B2xH2xT1xS64xD16/none")
     assert f"threads={torch.get_num_threads()}" in key and kernels.cpu_model() in key
-    assert set(entry["ms"]) == set(kernels.attention_candidates("decode", torch.bfloat16))
+    assert set(entry["ms"]) == set(kernels.attention_candidates("decode"))
     ms = entry["ms"]
     fastest = min(ms, key=ms.get)
     assert entry["choice"] == (fastest if ms[fastest] < 0.95 * ms["sdpa"] else "sdpa")
+    assert plan.choices == {key.split("|")[-1]: entry["choice"]}
 
-    # Same bucket (S 40 -> 64), in this process and in the next one: no new timing.
-    monkeypatch.setattr(kernels, "_fastest", no_timing)
-    kernels.attention(*qkv(2, 2, 1, 50, 16, torch.bfloat16))
-    kernels.reset()
-    kernels.attention(q, k, v)
-    assert kernels.choices() == saved
+    # The same class (S 40 and 50 -> 64), in this plan and in the next one: no new timing.
+    monkeypatch.setattr(kernels, "time_candidates", no_timing)
+    again = plan_of([call("attention", 2, 2, 1, 50, 16, "none")], torch.bfloat16)
+    assert again.choices == plan.choices and not again.timed
+    assert again.choice("attention", torch.bfloat16, 2, 2, 1, 50, 16, "none") == entry["choice"]
+    assert entries(tmp_path / "kernels.json") == saved
 
 
 def test_fastest_needs_a_margin_over_the_reference_and_drops_clear_losers():
@@ -312,54 +321,149 @@ def test_fastest_needs_a_margin_over_the_reference_and_drops_clear_losers():
     assert kernels._fastest({"ref": ref, "near": near})[0] == "ref"
 
 
-def test_a_choice_read_from_disk_is_used(tmp_path, monkeypatch):
-    """The file decides (here: a forged choice), so a run repeats the measured kernels."""
-    q, k, v = qkv(2, 2, 1, 40, 16, torch.float32)
-    kernels.attention(q, k, v)
-    path = tmp_path / "kernels.json"
-    saved = entries(path)
-    key = next(iter(saved))
-    other = "matmul" if saved[key]["choice"] == "sdpa" else "sdpa"
-    saved[key]["choice"] = other
-    path.write_text(json.dumps({"version": kernels.CACHE_VERSION, "entries": saved}))
-    kernels.reset()
-    monkeypatch.setattr(kernels, "_fastest", no_timing)
-    calls = []
-    monkeypatch.setitem(kernels.ATTENTION, other, lambda *a: calls.append(other) or a[0])
-    kernels.attention(q, k, v)
-    assert calls == [other]
+def forge(path, choices: dict[str, str], dtype=torch.float32) -> None:
+    """A cache file in which these classes' choices were timed (among all candidates)."""
+    prefix = f"{kernels._machine()}|threads={torch.get_num_threads()}|"
+    data = {}
+    for name, choice in choices.items():
+        op = name.split("/")[0]
+        cands = {
+            "attention": kernels.attention_candidates(name.split("/")[2]),
+            "logits": kernels.logits_candidates(dtype),
+            "linear": kernels.upcast_candidates("linear", dtype),
+            "conv1d": kernels.upcast_candidates("conv1d", dtype),
+            "int8-linear": kernels.int8_candidates(dtype),
+        }[op]
+        data[prefix + name] = {"choice": choice, "ms": dict.fromkeys(cands, 1.0)}
+    path.write_text(json.dumps({"version": kernels.CACHE_VERSION, "entries": data}))
+
+
+def test_a_plan_from_a_given_cache_file_yields_its_choices(tmp_path, monkeypatch):
+    """The file decides (here: forged choices, none the reference), so a load repeats the
+    measured kernels, and the calls run them."""
+    monkeypatch.setattr(kernels, "time_candidates", no_timing)
+    bf16 = torch.bfloat16
+    weight, conv = torch.randn(48, 32).to(bf16), torch.randn(16, 8, 3).to(bf16)
+    forged = {
+        "attention/bf16/decode/B2xH2xT1xS64xD16/none": "blocked",
+        "attention/bf16/prefill/B2xH2xT64xS64xD16/causal": "matmul",
+        "logits/bf16/M8xV48xC32": "f32-blocks",
+        "linear/bf16/M8xN48xK32": "f32-upcast",
+        "conv1d/bf16/Cin8xCout16xW3xL64/s2p1": "f32-upcast",
+    }
+    forge(tmp_path / "kernels.json", forged, bf16)
+    calls = [
+        call("attention", 2, 2, 1, 40, 16, "none"),
+        call("attention", 2, 2, 5, 5, 16, "causal"),
+        call("logits", 5, 48, 32, weight=weight),
+        call("linear", 5, 48, 32, weight=weight),
+        call("conv1d", 8, 16, 3, 40, 2, 1, weight=conv),
+    ]
+    plan = plan_of(calls, bf16)
+    assert plan.choices == forged and not plan.timed
+
+    ran = []
+    for table, name in (
+        (kernels.ATTENTION, "blocked"),
+        (kernels.ATTENTION, "matmul"),
+        (kernels.LOGITS, "f32-blocks"),
+        (kernels.LINEAR, "f32-upcast"),
+        (kernels.CONV1D, "f32-upcast"),
+    ):
+        real = table[name]
+        monkeypatch.setitem(table, name, lambda *a, n=name, f=real: ran.append(n) or f(*a))
+    q, k, v = qkv(2, 2, 1, 40, 16, bf16)
+    kernels.attention(q, k, v, plan=plan)
+    q, k, v = qkv(2, 2, 5, 5, 16, bf16)
+    kernels.attention(q, k, v, causal=True, plan=plan)
+    kernels.logits(torch.randn(5, 1, 32).to(bf16), weight, plan)
+    kernels.linear(torch.randn(5, 32).to(bf16), weight, None, plan)
+    kernels.conv1d(torch.randn(1, 8, 40).to(bf16), conv, None, 2, 1, plan)
+    assert ran == ["blocked", "matmul", "f32-blocks", "f32-upcast", "f32-upcast"]
+
+
+def test_a_class_the_plan_lacks_runs_the_reference(monkeypatch):
+    """A shape outside the plan (a larger batch than it was made for) is never timed."""
+    monkeypatch.setattr(kernels, "time_candidates", no_timing)
+    plan = plan_of([call("attention", 2, 2, 1, 40, 16, "none")], torch.float32, mode="matmul")
+    assert plan.choice("attention", torch.float32, 2, 2, 1, 40, 16, "none") == "matmul"
+    auto = kernels.KernelPlan("auto", "cpu", torch.float32, torch.get_num_threads())
+    assert auto.choice("attention", torch.float32, 64, 2, 1, 40, 16, "none") == "sdpa"
+    assert auto.choice("logits", torch.float32, 3, 100, 32) == "matmul"
+    assert auto.choice("linear", torch.bfloat16, 3, 100, 32) == "linear"
 
 
 def test_a_malformed_entry_is_timed_again(tmp_path):
-    q, k, v = qkv(2, 2, 1, 40, 16, torch.float32)
-    kernels.attention(q, k, v)
+    calls = [call("attention", 2, 2, 1, 40, 16, "none")]
+    plan_of(calls, torch.float32)
     path = tmp_path / "kernels.json"
     key = next(iter(entries(path)))
     path.write_text(json.dumps({"version": kernels.CACHE_VERSION, "entries": {key: "x"}}))
-    kernels.reset()
-    kernels.attention(q, k, v)
-    assert entries(path)[key]["choice"] in kernels.attention_candidates("decode", q.dtype)
+    plan = plan_of(calls, torch.float32)
+    assert plan.timed and entries(path)[key]["choice"] in kernels.attention_candidates("decode")
+
+
+def test_a_choice_among_other_candidates_is_timed_again(tmp_path):
+    """A cached choice timed before a candidate joined is timed again, among all."""
+    weight = torch.randn(300, 32).bfloat16()
+    calls = [call("logits", 4, 300, 32, weight=weight)]
+    plan_of(calls, torch.bfloat16)
+    path = tmp_path / "kernels.json"
+    saved = entries(path)
+    key = next(iter(saved))
+    saved[key] = {"choice": "matmul", "ms": {"matmul": 1.0}}
+    path.write_text(json.dumps({"version": kernels.CACHE_VERSION, "entries": saved}))
+    plan_of(calls, torch.bfloat16)
+    assert set(entries(path)[key]["ms"]) == set(kernels.logits_candidates(torch.bfloat16))
 
 
 def test_thread_count_is_part_of_the_key(tmp_path):
+    """A plan is made for the thread count of its load: another count, other entries."""
     threads = torch.get_num_threads()
-    q, k, v = qkv(2, 2, 1, 40, 16, torch.float16)
+    calls = [call("attention", 2, 2, 1, 40, 16, "none")]
     try:
-        kernels.attention(q, k, v)
+        first = plan_of(calls, torch.float16)
         torch.set_num_threads(1 if threads > 1 else 2)
-        kernels.attention(q, k, v)
+        second = plan_of(calls, torch.float16)
     finally:
         torch.set_num_threads(threads)
     saved = entries(tmp_path / "kernels.json")
     assert len(saved) == 2 and all("/f16/decode/" in key for key in saved)
+    assert first.threads == threads != second.threads and first.timed and second.timed
+
+
+def test_same_calls_are_timed_once(monkeypatch):
+    """Classes whose timing would run the same calls (the encoder's batch classes, cut to
+    TIMING_ELEMENTS) share one timing."""
+    timings = []
+    real = kernels.time_candidates
+    monkeypatch.setattr(kernels, "time_candidates", lambda c: timings.append(1) or real(c))
+    monkeypatch.setattr(kernels, "TIMING_ELEMENTS", 4 * 520 * 16)  # one window per timing
+    plan = plan_of(
+        [call("attention", b, 4, 520, 520, 16, "none") for b in (1, 2, 4)], torch.float32
+    )
+    assert len(plan.choices) == 3 and len(plan.timed) == 3 and len(timings) == 1
+    assert len(set(plan.choices.values())) == 1
 
 
 def test_logits_choice_is_timed_and_saved(tmp_path):
     hidden, weight = torch.randn(16, 1, 32), torch.randn(3000, 32)
-    torch.testing.assert_close(kernels.logits(hidden, weight), hidden @ weight.T)
+    plan = plan_of([call("logits", 16, 3000, 32, weight=weight)], torch.float32)
+    torch.testing.assert_close(kernels.logits(hidden, weight, plan), hidden @ weight.T)
     (key, entry), *_ = entries(tmp_path / "kernels.json").items()
     assert key.endswith("logits/f32/M16xV3000xC32")
     assert set(entry["ms"]) == set(kernels.logits_candidates(torch.float32))
+
+
+def test_gemm_rows_are_classed_alike_past_the_encoder_rows():
+    """Linear layers, int8 ones and the projection: rows by powers of two up to
+    ENCODER_ROWS, then one class."""
+    for op in ("linear", "int8-linear", "logits"):
+        names = {
+            kernels.OPS[op].shape_class(torch.bfloat16, m, 100, 32).name
+            for m in (kernels.ENCODER_ROWS, 513, 1500, 16 * 1500)
+        }
+        assert len(names) == 1 and f"/M{kernels.ENCODER_ROWS}x" in names.pop()
 
 
 @pytest.mark.parametrize(
@@ -371,18 +475,18 @@ def test_logits_choice_is_timed_and_saved(tmp_path):
         f'{{"version": {kernels.CACHE_VERSION}, "entries": []}}',
     ],
 )
-def test_unwritable_or_bad_cache_never_fails_the_run(tmp_path, monkeypatch, content):
+def test_unwritable_or_bad_cache_never_fails_the_load(tmp_path, content):
     if content is None:  # a directory that cannot exist: its parent is a file
         (tmp_path / "file").write_text("")
         path = tmp_path / "file" / "kernels.json"
     else:
         path = tmp_path / "bad.json"
         path.write_text(content)
-    monkeypatch.setenv("WHISPER_CLI_KERNELS_CACHE", str(path))
-    kernels.reset()
     q, k, v = qkv(2, 2, 1, 40, 16, torch.float32)
-    torch.testing.assert_close(kernels.attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
-    assert len(kernels.choices()) == 1  # measured and kept in memory all the same
+    plan = plan_of([call("attention", 2, 2, 1, 40, 16, "none")], torch.float32, path=path)
+    assert len(plan.choices) == 1 and plan.timed  # measured and kept in the plan all the same
+    out = kernels.attention(q, k, v, plan=plan)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
     if content is not None:  # a bad file is replaced by a good one
         assert len(entries(path)) == 1
 
@@ -407,49 +511,158 @@ def test_cache_path_follows_xdg(monkeypatch, tmp_path):
 )
 def test_override_forces_kernels_without_timing(tmp_path, monkeypatch, mode, f32, bf16, logits):
     monkeypatch.setenv("WHISPER_CLI_KERNELS", mode)
-    monkeypatch.setattr(kernels, "_fastest", no_timing)
-    kernels.reset()
+    monkeypatch.setattr(kernels, "time_candidates", no_timing)
+    weight = torch.randn(100, 32)
     for dtype, want in ((torch.float32, f32), (torch.bfloat16, bf16)):
         q, k, _ = qkv(2, 2, 1, 40, 16, dtype)
-        assert kernels.attention_choice(q, k) == want
-        out = kernels.attention(q, k, k)
-        assert out.dtype == dtype
-    assert kernels.logits_choice(torch.randn(4, 32), torch.randn(100, 32)) == logits
+        plan = plan_of([call("attention", 2, 2, 1, 40, 16, "none")], dtype)
+        assert (
+            plan.mode == mode and plan.choice("attention", dtype, 2, 2, 1, 40, 16, "none") == want
+        )
+        assert kernels.attention(q, k, k, plan=plan).dtype == dtype
+    plan = plan_of([call("logits", 4, 100, 32, weight=weight)], torch.float32)
+    assert plan.choice("logits", torch.float32, 4, 100, 32) == logits
     assert not (tmp_path / "kernels.json").exists()
 
 
-def test_no_timing_while_compiling(monkeypatch):
-    """Under a torch.compile trace: the reference kernels, one graph, nothing timed."""
-    monkeypatch.setattr(kernels, "_fastest", no_timing)
+def test_off_the_cpu_the_plan_is_the_reference(monkeypatch):
+    monkeypatch.setattr(kernels, "time_candidates", no_timing)
+    plan = plan_of([call("attention", 2, 2, 1, 40, 16, "none")], torch.float32, device="meta")
+    assert plan.mode == "reference" and plan.choices == {
+        "attention/f32/decode/B2xH2xT1xS64xD16/none": "sdpa"
+    }
+
+
+def test_no_plan_is_consulted_while_compiling(monkeypatch):
+    """Under a torch.compile trace: the reference kernels, one graph, the plan unread."""
+    plan = plan_of([], torch.float32, mode="blocked,f32-blocks")
+    monkeypatch.setitem(kernels.ATTENTION, "blocked", no_timing)
+    monkeypatch.setitem(kernels.LOGITS, "f32-blocks", no_timing)
     q, k, v = qkv(2, 2, 1, 40, 16, torch.float32)
     weight = torch.randn(100, 32)
 
     def step(q, k, v, hidden):
-        return kernels.attention(q, k, v), kernels.logits(hidden, weight)
+        return kernels.attention(q, k, v, plan=plan), kernels.logits(hidden, weight, plan)
 
     compiled = torch.compile(step, backend="eager", fullgraph=True)
     hidden = torch.randn(2, 1, 32)
     y, z = compiled(q, k, v, hidden)
     torch.testing.assert_close(y, F.scaled_dot_product_attention(q, k, v))
     torch.testing.assert_close(z, hidden @ weight.T)
-    assert kernels.choices() == {}
+    assert plan._memo == {}
 
 
 def test_inference_mode_and_no_grad(tmp_path):
     """Timing and every implementation run under inference mode and under no_grad."""
     for ctx in (torch.inference_mode, torch.no_grad):
-        kernels.reset()
+        (tmp_path / "kernels.json").unlink(missing_ok=True)
         with ctx():
+            calls = [call("attention", *shape, "none") for shape in SHAPES.values()]
+            calls.append(call("logits", 16, 500, 32, weight=torch.randn(500, 32)))
+            plan = plan_of(calls, torch.bfloat16)
             for shape in SHAPES.values():
                 q, k, v = qkv(*shape, torch.bfloat16)
-                assert kernels.attention(q, k, v).dtype == torch.bfloat16
-            kernels.logits(torch.randn(16, 1, 32), torch.randn(500, 32))
-    assert len(entries(tmp_path / "kernels.json")) == len(SHAPES) + 1
+                assert kernels.attention(q, k, v, plan=plan).dtype == torch.bfloat16
+        assert len(entries(tmp_path / "kernels.json")) == len(SHAPES) + 1
+
+
+def test_plan_is_reported():
+    plan = plan_of(
+        [call("attention", 2, 2, 1, 40, 16, "none"), call("attention", 2, 2, 1, 100, 16, "none")],
+        torch.float32,
+        mode="matmul",
+    )
+    threads = torch.get_num_threads()
+    head = f"matmul (cpu, f32, {threads} threads, 0 of 2 classes timed now)"
+    assert plan.summary() == f"{head}: attention matmul x2"
+    report = plan.report()
+    assert report["choices"] == {
+        "attention/f32/decode/B2xH2xT1xS128xD16/none": "matmul",
+        "attention/f32/decode/B2xH2xT1xS64xD16/none": "matmul",
+    }
+    assert report["mode"] == "matmul" and report["dtype"] == "f32" and report["timed_now"] == 0
+    json.dumps(report)
 
 
 def test_cpu_model_is_named():
     assert kernels.cpu_model().strip()
-    assert os.environ["WHISPER_CLI_KERNELS_CACHE"]
+
+
+# --- a model and its plan ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def random_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from util import make_random_model, real_tokenizer
+
+    root = tmp_path_factory.mktemp("random-model")
+    return make_random_model(root / "m", real_tokenizer("tiny.en"), vocab_size=51864, d_model=32)
+
+
+def run_forward(loaded) -> torch.Tensor:
+    """An encoder pass, a prompt and one step: (B, V) logits of the step."""
+    model = loaded.model
+    torch.manual_seed(0)
+    mel = torch.randn(2, loaded.config.num_mel_bins, 3000).to(model.dtype)
+    with torch.inference_mode():
+        audio = model.encoder(mel)
+        caches = model.decoder.new_caches(audio, 16)
+        tokens = torch.full((2, 3), loaded.tokenizer.special.sot)
+        model.decoder(tokens, torch.arange(3), caches, 3)
+        return model.decoder(tokens[:, :1], torch.tensor([3]), caches, 4)[:, 0]
+
+
+def test_a_model_built_with_a_plan_runs_its_choices(random_dir, monkeypatch):
+    """Every module that calls a kernel holds the model's plan, and runs what it names."""
+    from whisper_cli.dtypes import resolve_policy
+    from whisper_cli.loading import load_model
+    from whisper_cli.model import Attention, Conv1d, Decoder, Linear
+
+    monkeypatch.setenv("WHISPER_CLI_KERNELS", "blocked,f32-blocks,f32-upcast")
+    loaded = load_model(str(random_dir), resolve_policy("bf16", "cpu"))
+    model, plan = loaded.model, loaded.model.plan
+    assert plan.mode == "blocked,f32-blocks,f32-upcast" and plan.dtype == torch.bfloat16
+    holders = [m for m in model.modules() if isinstance(m, Attention | Conv1d | Decoder | Linear)]
+    assert holders and all(m.plan is plan for m in holders)
+    ran = set()
+    for table, name in (
+        (kernels.ATTENTION, "blocked"),
+        (kernels.LOGITS, "f32-blocks"),
+        (kernels.LINEAR, "f32-upcast"),
+        (kernels.CONV1D, "f32-upcast"),
+    ):
+        real = table[name]
+        monkeypatch.setitem(table, name, lambda *a, t=table, f=real: ran.add(id(t)) or f(*a))
+    for table in (kernels.ATTENTION, kernels.LOGITS, kernels.LINEAR, kernels.CONV1D):
+        reference = next(iter(table))
+        monkeypatch.setitem(table, reference, no_timing)  # the reference must not run
+    run_forward(loaded)
+    assert len(ran) == 4
+
+
+def test_forward_times_reads_and_writes_nothing(random_dir, tmp_path, monkeypatch):
+    """Auto mode: the plan is timed at load; then the cache is made unreadable and any
+    timing, read or write fails, and a forward pass runs as before."""
+    from whisper_cli.dtypes import resolve_policy
+    from whisper_cli.loading import load_model
+    from whisper_cli.options import TranscribeOptions
+
+    options = TranscribeOptions(batch_size=2)
+    loaded = load_model(str(random_dir), resolve_policy("bf16", "cpu"), options)
+    plan = loaded.model.plan
+    assert plan.mode == "auto" and plan.timed == set(plan.choices)  # bf16: none alone
+    want = run_forward(loaded)
+    (tmp_path / "kernels.json").chmod(0)
+    tmp_path.chmod(0)
+    try:
+        for name in ("time_candidates", "_read", "_write"):
+            monkeypatch.setattr(kernels, name, no_timing)
+        monkeypatch.setattr(kernels.Path, "read_text", no_timing)
+        torch.testing.assert_close(run_forward(loaded), want, rtol=0, atol=0)
+    finally:
+        tmp_path.chmod(0o700)
+        (tmp_path / "kernels.json").chmod(0o600)
 
 
 # --- a real model ----------------------------------------------------------------------
@@ -471,7 +684,6 @@ def test_chosen_kernels_keep_a_real_bf16_model_as_exact_as_the_reference(monkeyp
 
     def logits(dtype_name: str, mode: str) -> torch.Tensor:
         monkeypatch.setenv("WHISPER_CLI_KERNELS", mode)
-        kernels.reset()
         loaded = load_model(str(real_model("tiny.en")), resolve_policy(dtype_name, "cpu"))
         model, tok = loaded.model, loaded.tokenizer
         text = " And so my fellow Americans, ask not what your country can do for you,"
@@ -556,20 +768,20 @@ def test_int8_choices_are_timed_and_saved_and_the_reference_runs_while_compiling
     tmp_path, monkeypatch
 ):
     weight, scale, bias = int8_layer()
-    x = torch.randn(5, 1, 96).bfloat16()
-    out = kernels.int8_linear(x, weight, scale, bias.bfloat16())
-    assert out.dtype == torch.bfloat16 and out.shape == (5, 1, 80)
+    plan = plan_of([call("int8-linear", 5, 80, 96, weight=weight)], torch.bfloat16)
     saved = entries(tmp_path / "kernels.json")
     (key, entry), *more = saved.items()
     assert not more and key.endswith("int8-linear/bf16/M8xN80xK96")
     assert set(entry["ms"]) == set(kernels.int8_candidates(torch.bfloat16))
-    monkeypatch.setattr(kernels, "_fastest", no_timing)
-    kernels.int8_linear(torch.randn(7, 96).bfloat16(), weight, scale)  # same bucket
+    assert plan.choices == {"int8-linear/bf16/M8xN80xK96": entry["choice"]}
+    x = torch.randn(5, 1, 96).bfloat16()
+    out = kernels.int8_linear(x, weight, scale, bias.bfloat16(), plan)
+    assert out.dtype == torch.bfloat16 and out.shape == (5, 1, 80)
+    assert plan.choice("int8-linear", torch.bfloat16, 7, 80, 96) == entry["choice"]  # same class
     compiled = torch.compile(kernels.int8_linear, backend="eager", fullgraph=True)
     x32 = torch.randn(3, 96)
     want = kernels.INT8_LINEAR["dequant"](x32, weight, scale, bias)
-    torch.testing.assert_close(compiled(x32, weight, scale, bias), want)
-    assert len(kernels.choices()) == 1
+    torch.testing.assert_close(compiled(x32, weight, scale, bias, plan), want)
 
 
 # --- f32 copies of half weights ------------------------------------------------------------
@@ -602,20 +814,6 @@ def test_f32_upcast_keeps_one_copy_per_weight_and_equals_the_per_call_upcast(dty
     assert (id(other), "f32") not in kernels._DERIVED and (id(conv), "f32") in kernels._DERIVED
 
 
-def test_a_choice_among_other_candidates_is_timed_again(tmp_path):
-    """A cached choice timed before a candidate joined is timed again, among all."""
-    hidden, weight = torch.randn(4, 1, 32).bfloat16(), torch.randn(300, 32).bfloat16()
-    kernels.logits(hidden, weight)
-    path = tmp_path / "kernels.json"
-    saved = entries(path)
-    key = next(iter(saved))
-    saved[key] = {"choice": "matmul", "ms": {"matmul": 1.0}}
-    path.write_text(json.dumps({"version": kernels.CACHE_VERSION, "entries": saved}))
-    kernels.reset()
-    kernels.logits(hidden, weight)
-    assert set(entries(path)[key]["ms"]) == set(kernels.logits_candidates(torch.bfloat16))
-
-
 @pytest.mark.slow
 def test_kept_f32_copies_give_a_real_bf16_model_the_per_call_upcast_logits(monkeypatch):
     """tiny.en in bf16 with the upcast kernels forced, teacher-forced over JFK: the same
@@ -628,7 +826,6 @@ def test_kept_f32_copies_give_a_real_bf16_model_the_per_call_upcast_logits(monke
     from whisper_cli.loading import load_model
 
     monkeypatch.setenv("WHISPER_CLI_KERNELS", "f32-upcast,blocked,f32-blocks")
-    kernels.reset()
     loaded = load_model(str(real_model("tiny.en")), resolve_policy("bf16", "cpu"))
     model, tok = loaded.model, loaded.tokenizer
     audio = load_audio(shared_clip("jfk.flac"))
@@ -648,3 +845,33 @@ def test_kept_f32_copies_give_a_real_bf16_model_the_per_call_upcast_logits(monke
     per_call = lambda weight, bias: (weight.float(), None if bias is None else bias.float())  # noqa: E731
     monkeypatch.setattr(kernels, "_f32_copies", per_call)
     assert torch.equal(logits(), kept)
+
+
+def test_a_run_within_the_reach_stays_in_its_plan(monkeypatch):
+    """Every call of a transcription with the options the model was loaded for (a batch,
+    word timestamps) finds its shape class in the plan: none is decided at the call. (The
+    reference mode: a miss would be decided as a hit is, so only the lookup tells.)"""
+    from util import real_model, shared_clip
+
+    from whisper_cli.dtypes import resolve_policy
+    from whisper_cli.loading import load_model
+    from whisper_cli.options import TranscribeOptions
+    from whisper_cli.pipeline import Transcriber
+
+    monkeypatch.setenv("WHISPER_CLI_KERNELS", "reference")
+    options = TranscribeOptions(batch_size=2, word_timestamps=True)
+    loaded = load_model(str(real_model("tiny.en")), resolve_policy("f32", "cpu"), options)
+    missed = []
+    monkeypatch.setattr(kernels, "_untimed", lambda mode, cands: missed.append(cands) or cands[0])
+    result = Transcriber(loaded, options).transcribe(str(shared_clip("jfk.flac")))
+    assert any(s.words for s in result.segments)  # the alignment pass ran
+    calls = loaded.model.plan._memo  # every call shape the run made
+    assert len(calls) > 20 and missed == []
+
+    # Loaded for runs without an initial prompt: a long one falls outside the plan.
+    plain = TranscribeOptions(batch_size=2)
+    narrow = load_model(str(real_model("tiny.en")), resolve_policy("f32", "cpu"), plain)
+    missed.clear()  # the build decides its reference choices by the same function
+    prompted = TranscribeOptions(batch_size=2, initial_prompt=" ".join(["Americans"] * 100))
+    Transcriber(narrow, prompted).transcribe(str(shared_clip("jfk.flac")))
+    assert missed

@@ -15,8 +15,9 @@ from util import manifest, real_model, shared_clip
 
 from whisper_cli import dtypes, kernels
 from whisper_cli.errors import WhisperCliError
-from whisper_cli.loading import load_model
+from whisper_cli.loading import load_model, plan_kernels, run_reach
 from whisper_cli.model import Linear
+from whisper_cli.options import TranscribeOptions
 
 REL_ERR_ACTIVATIONS = 0.10  # "fbgemm", "onednn"
 REL_ERR_WEIGHT_ONLY = 0.04  # "dequant", "weight-only"
@@ -26,16 +27,14 @@ MAX_WER = 0.05
 
 @pytest.fixture
 def kernels_mode(monkeypatch, tmp_path):
-    """`kernels_mode(mode)`: WHISPER_CLI_KERNELS for what follows (a fresh selector and a
-    cache file of the test's own); reset again after the test."""
+    """`kernels_mode(mode)`: WHISPER_CLI_KERNELS for the models loaded after it (with a
+    cache file of the test's own)."""
     monkeypatch.setenv("WHISPER_CLI_KERNELS_CACHE", str(tmp_path / "kernels.json"))
 
     def use(mode: str) -> None:
         monkeypatch.setenv("WHISPER_CLI_KERNELS", mode)
-        kernels.reset()
 
-    yield use
-    kernels.reset()
+    return use
 
 
 def int8_model(name: str, dtype: str = "f32"):
@@ -110,8 +109,10 @@ def test_int8_logits_follow_f32_with_every_kernel(model_name, kernels_mode):
         load_model(str(real_model(model_name)), dtypes.resolve_policy("f32", "cpu")), cases
     )
     loaded = int8_model(model_name)
+    reach = run_reach(TranscribeOptions(batch_size=1), loaded.config, loaded.tokenizer)
     for name in kernels.int8_candidates(torch.float32):
-        kernels_mode(name)
+        plan = plan_kernels(loaded.model, loaded.policy, reach, mode=name)
+        assert set(plan.choices[n] for n in plan.choices if n.startswith("int8-")) == {name}
         bound = REL_ERR_WEIGHT_ONLY if name in ("dequant", "weight-only") else REL_ERR_ACTIVATIONS
         ours = teacher_forced(loaded, cases)
         for (clip, channel, _), out, ref in zip(cases, ours, f32, strict=True):
@@ -133,10 +134,13 @@ def test_int8_transcribes_the_english_clips(model_name, kernels_mode):
     items = read_manifest(SHARED_AUDIO / "manifest.json").items
     items = [i for i in items if i.languages == ("en",)]
     assert len(items) == 3
-    result = evaluate_loaded(items, int8_model(model_name), 16, None, 0.0, True)
+    loaded = int8_model(model_name)
+    result = evaluate_loaded(items, loaded, 16, None, 0.0, True)
     assert result.wer <= MAX_WER, [(s.name, s.hypothesis) for s in result.items]
-    chosen = {entry["choice"] for key, entry in kernels.choices().items() if "int8-linear" in key}
+    plan = loaded.model.plan
+    chosen = {choice for name, choice in plan.choices.items() if name.startswith("int8-")}
     assert chosen <= set(kernels.int8_candidates(torch.float32)) and chosen
+    assert plan.mode == "auto" and plan.timed
 
 
 def test_int8_on_cuda_is_refused_naming_the_cpu(monkeypatch):

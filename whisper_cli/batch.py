@@ -445,7 +445,7 @@ class Worker:
             from whisper_cli.dtypes import resolve_policy
 
             policy = resolve_policy(spec.dtype, spec.device, spec.quantize)
-            loaded = loading.load_model(spec.model, policy)
+            loaded = loading.load_model(spec.model, policy, spec.options)
         self.spec = spec
         self.loaded = loaded
         self._transcribers: dict[tuple[str | None, str | None], Transcriber | WhisperCliError] = {}
@@ -549,13 +549,13 @@ def _run_local(config, plan, make_options, todo, record, log) -> None:
     from whisper_cli.dtypes import resolve_policy
 
     policy = resolve_policy(config.dtype, config.device, config.quantize)
+    options = make_options(policy.device.type)
     started = time.perf_counter()
-    loaded = loading.load_model(config.model, policy)
+    loaded = loading.load_model(config.model, policy, options)
     log(
         f"model {loaded.name} ({loaded.path}), dtype {policy.name}, device {policy.device} "
         f"[{time.perf_counter() - started:.1f} s]"
     )
-    options = make_options(policy.device.type)
     spec = WorkerSpec(loaded.name, config.dtype, config.device, options, plan, config.quantize)
     worker = Worker(spec, loaded)
     size = _files_per_call(spec.options.batch_size, len(todo), 1)

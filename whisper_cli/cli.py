@@ -603,15 +603,17 @@ def _policy(f: dict[str, Any]) -> Policy:
         raise WhisperCliError(f"invalid option: {exc}") from None
 
 
-def _load(model: str | None, policy, term: _Terminal):
+def _load(model: str | None, policy, term: _Terminal, options=None):
     from whisper_cli.loading import load_model
 
     started = time.perf_counter()
-    loaded = load_model(model, policy)
+    loaded = load_model(model, policy, options)
     term.info(
         f"model {loaded.name} ({loaded.path}), dtype {policy.name}, "
         f"device {policy.device} [{time.perf_counter() - started:.1f} s]"
     )
+    if term.verbose and loaded.model.plan is not None:
+        term.info(f"kernels {loaded.model.plan.summary()}")
     return loaded
 
 
@@ -748,7 +750,7 @@ def _run(options: RunOptions, tally: _Tally, errors, files) -> None:
     )
     try:
         with term.progress(len(sources), total):
-            loaded = _load(options.model, policy, term)
+            loaded = _load(options.model, policy, term, decoding)
             from whisper_cli.pipeline import Transcriber
 
             transcriber = Transcriber(loaded, decoding)

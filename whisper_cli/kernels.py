@@ -1,43 +1,33 @@
-"""Attention, the vocabulary projection, linear layers (also with int8 weights, under
-`--quantize int8`) and convolutions, each run by the implementation that is fastest on this
-machine, chosen by measurement rather than by assumption.
+"""CPU kernels for attention, the tied vocabulary projection, linear layers (also with
+int8 weights, under `--quantize int8`) and convolutions, and the plan that says which
+implementation runs each call.
 
-Why: which kernel is fastest depends on the CPU and the dtype, by factors of 2 to 60.
-Measured with torch 2.13, 2 threads (ms per call, scripts/kernel_timings.py):
+Every op has a reference implementation, torch's own (SDPA, `hidden @ weight.T`,
+F.linear, F.conv1d; for int8 weights, the dequantizing linear), and on the CPU a few
+others. Which one is fastest depends on the CPU, the dtype and the shape, by factors up to
+tens (README, Speed), so it is measured on the machine, never assumed.
 
-* AMD EPYC Zen 3 (AVX2 only), bf16 through torch's own path against float32 copies of
-  the inputs (one rounding of the result, "f32-upcast"): tiny's encoder fc1 at 1536 rows
-  141 ms against 19, its conv2 on one window 777 against 12: a bf16 window's encoder
-  2.3 s against 0.47 (f32: 0.45). The f32 vocabulary projection through a oneDNN weight
-  packed once ("packed"): 6.8 / 8.0 / 11.9 ms at M 1 / 5 / 16 against 12.4 / 22.9 / 22.3.
+Invariants:
+* Every implementation is as exact as the reference or closer, against a float64
+  reference: f16/bf16 inputs are computed in float32 and the result rounded once to the
+  input dtype. Attention never rounds its scores to a half dtype (with peaked scores that
+  has several times SDPA's error); it computes them in float32, as SDPA's CPU kernel does.
+* A model's choices are a KernelPlan, made once where the model is loaded (build_plan, for
+  every shape class the run can reach) and held by the modules that call a kernel. A call
+  only looks its shape class up in memory: nothing in a forward pass times, reads or
+  writes anything, and a model runs the same kernels for its whole life. A class outside
+  the plan runs the reference.
+* A choice in mode auto comes from the cache file (kernels_cache_path()), per CPU model,
+  torch version, thread count, dtype and shape class; where it has none, from a timing of
+  every candidate on synthetic inputs of that class (time_candidates), merged into the
+  file. Another implementation replaces the reference only when TIMING_MARGIN faster, so
+  near-equals keep the reference.
+* Off the CPU, and while torch.compile traces (one graph, no choice on the Python side),
+  the reference runs.
 
-* AMD EPYC Zen 4 (avx512_bf16, no AMX), issue 12: decode cross-attention (B 16, H 6,
-  1 query, 1500 keys, D 64) takes 3.0 ms per layer with `scaled_dot_product_attention`
-  in f32 but 9.8 ms in bf16 (2.0 ms as bf16 matmuls, scores rounded to bf16: not exact
-  enough, see below); on the encoder (1500 x 1500) SDPA runs at 127 GFLOP/s in bf16,
-  below bf16 GEMMs (308); the f32 vocabulary projection at M 16 at 53 GFLOP/s.
-* AMD EPYC Zen 3 (AVX2 only; 2 vCPUs, shared, load ~2), tiny.en / large-v3 shapes:
-  bf16 decode cross-attention SDPA 21.7 / 70.7, "blocked" 11.7 / 28.0; bf16 decode
-  self-attention over 240 slots SDPA 3.2 / 13.2, "blocked" 1.1 / 8.6; the vocabulary
-  projection (M 16, V 51865) in f32 `hidden @ weight.T` 46 / 184, "weight-first" 23 / 96,
-  in bf16 75 / 117 against "f32-blocks" 25 / 55. SDPA stays fastest for f32 attention
-  and for the encoder in both dtypes (54-60 GFLOP/s; "blocked" 74-78 ms against 54-61).
-
-So each call picks, per (CPU model, torch version, threads, dtype, shape class, shape
-bucket), the fastest of a few implementations, timed once on synthetic tensors of that
-shape (interleaved rounds, fastest call of each, `time_candidates`) and remembered in
-memory and in a JSON file (`kernels_cache_path()`). On CUDA, and while torch.compile
-traces, the reference implementations run (SDPA, `hidden @ weight.T`, F.linear,
-F.conv1d), with no timing; f32 linear layers and convolutions have the reference alone.
-
-Exactness: every implementation is as close to a float64 reference as SDPA or closer.
-Rounding attention scores to bf16 is not (7x SDPA's error with peaked scores), so for
-f16/bf16 inputs matmul attention runs in float32, as SDPA's CPU kernel computes its
-scores and sums internally, and its result is rounded once to the input dtype.
-
-`WHISPER_CLI_KERNELS`: `auto` (default, measure), `reference` (SDPA and `@`, today's
-kernels), or a comma list of implementation names forced where they apply (the
-reference elsewhere); neither of the last two times or writes anything.
+`WHISPER_CLI_KERNELS`: `auto` (default), `reference`, or a comma list of implementation
+names forced where they apply (the reference elsewhere); neither of the last two times or
+writes anything.
 """
 
 from __future__ import annotations
@@ -51,8 +41,9 @@ import tempfile
 import time
 import warnings
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -67,11 +58,10 @@ Attention = Callable[[Tensor, Tensor, Tensor, "Tensor | None", bool], Tensor]
 Logits = Callable[[Tensor, Tensor], Tensor]
 
 # Query rows per block of "blocked" attention, and the most bytes one tile of (batch,
-# head) pairs may hold in f32 scores, and in f32 copies of f16/bf16 keys and values.
-# Measured on Zen 3 (2 threads): the encoder's tiles are fastest with scores of 1-2 MiB
-# (71 ms per window, 80 at 4 MiB); bf16 decode cross-attention with 16 MiB upcasts
-# (7.9 ms; 11.5 at 4, 16.0 at 1), where a whole f32 copy of the cache (37 MB, past
-# glibc's 32 MiB mmap threshold, so page-faulted in on every call) took 91 ms.
+# head) pairs may hold in f32 scores, and in f32 copies of f16/bf16 keys and values: the
+# scores of a tile stay in cache, and an upcast tile stays under glibc's mmap threshold
+# (a whole f32 copy of a decode cache is past it, so page-faulted in on every call).
+# The sizes are the fastest measured (README, Speed).
 BLOCK_ROWS = 256
 SCORE_TILE_BYTES = 2 << 20
 UPCAST_TILE_BYTES = 16 << 20
@@ -79,7 +69,7 @@ UPCAST_TILE_BYTES = 16 << 20
 LOGIT_BLOCK_ROWS = 1024
 # Queries at least this long are the encoder's shape class (the decoder has at most 448).
 ENCODER_ROWS = 512
-CONV_TIMING_LENGTH = 512  # frames a convolution is timed on (see conv1d_choice)
+CONV_TIMING_LENGTH = 512  # frames a convolution is timed on (see _conv1d_shape)
 # Timing: most elements of one synthetic K tensor (the batch is cut to fit). Each
 # candidate is warmed up once (one TIMING_CUTOFF times slower than the best warm-up is
 # dropped there), then the rest are called in turn, round after round (a load burst on a
@@ -93,7 +83,7 @@ TIMING_MAX_REPS = 20
 TIMING_MIN_S = 0.05
 TIMING_CUTOFF = 4.0
 TIMING_MARGIN = 0.95
-CACHE_VERSION = 2  # 2: "packed" joined the projection's candidates (older choices re-timed)
+CACHE_VERSION = 2  # a file of another version is read as empty (its choices timed again)
 
 
 # --- attention implementations ------------------------------------------------------
@@ -175,8 +165,8 @@ def _blocked(q, k, v, mask, causal):
 ATTENTION: dict[str, Attention] = {
     # torch's fused kernel: the reference, and the fastest for f32 where measured.
     "sdpa": _sdpa,
-    # Two GEMMs and a softmax in f32: where SDPA's f16/bf16 path is slow (Zen 3 decode
-    # self-attention over 240 keys in bf16: 1.05 ms against 3.4 ms).
+    # Two GEMMs and a softmax in f32: for CPUs where SDPA's f16/bf16 path is slow (decode
+    # self-attention without native bf16, README, Speed).
     "matmul": _matmul,
     # The same in cache-sized tiles: the encoder's long queries without the full score
     # tensor, and the bf16 decode caches upcast a tile at a time instead of whole.
@@ -184,8 +174,12 @@ ATTENTION: dict[str, Attention] = {
 }
 
 
-def attention_candidates(shape_class: str, dtype: torch.dtype) -> tuple[str, ...]:
-    """Implementations timed for a shape class ("decode", "prefill", "encoder")."""
+def attention_candidates(shape_class: str) -> tuple[str, ...]:
+    """Implementations timed for a shape class ("decode", "prefill", "encoder").
+
+    The same in every dtype: each computes in float32 and rounds once (the reference,
+    SDPA, as its CPU kernel does), so each is exact enough in all of them; which one is
+    fastest does depend on the dtype, and the dtype is part of every class's name."""
     if shape_class == "encoder":  # plain matmul would hold all (B, H, T, S) f32 scores
         return ("sdpa", "blocked")
     return ("sdpa", "matmul", "blocked")
@@ -215,9 +209,8 @@ def _logits_f32_blocks(hidden, weight):
 
 
 def _logits_weight_first(hidden, weight):
-    """(V, C) @ (C, M), then transposed to (M, V) contiguous: BLAS streams the tall
-    weight with 16 columns better than 16 rows against its transpose (Zen 3 f32, C 1280:
-    77 ms against 190)."""
+    """(V, C) @ (C, M), then transposed to (M, V) contiguous: some BLAS builds stream the
+    tall weight against a few columns much faster than a few rows against its transpose."""
     rows = hidden.reshape(-1, hidden.shape[-1])  # (M, C)
     out = (weight @ rows.T).T.contiguous()  # (M, V)
     return out.view(*hidden.shape[:-1], weight.shape[0])
@@ -274,10 +267,9 @@ def _derived(weight: Tensor, kind: str, make: Callable[[], object]):
 
 def _logits_packed(hidden, weight, packed: Tensor | None = None):
     """oneDNN's linear over a copy of the weight packed once in its blocked layout, so no
-    call repacks the (V, C) matrix, as BLAS does for every call (Zen 3 f32, V 51864,
-    C 384: 6.8 / 8.0 / 11.9 ms at M 1 / 5 / 16, against 12.4 / 22.9 / 22.3 for `@`).
-    Costs one more copy of the embedding once chosen (tiny: 80 MB in f32). `packed`: a
-    copy packed by the caller (timing packs its own, so the run keeps none unchosen)."""
+    call repacks the (V, C) matrix, as BLAS does for every call. Costs one more copy of
+    the embedding once chosen. `packed`: a copy packed by the caller (timing packs its
+    own, so the run keeps none unchosen)."""
     rows = hidden.reshape(-1, hidden.shape[-1])  # (M, C)
     packed = _packed(weight) if packed is None else packed
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
@@ -323,10 +315,10 @@ def _f32_copies(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | N
 def _linear_f32(x, weight, bias, f32: tuple[Tensor, Tensor | None] | None = None):
     """x W^T + b in float32 from f16/bf16 inputs, the result rounded once: what a half GEMM
     accumulating in f32 computes (products of bf16 or f16 values are exact in f32), at f32
-    GEMM speed on CPUs without native half GEMMs (Zen 3, AVX2 only, bf16 encoder fc1 of
-    tiny at M 3000: 290 ms through torch's bf16 path). The weight and bias in float32 are
-    the kept copies (_f32_copies), so no call converts them; `f32`: copies of the caller's
-    (timing makes its own, so that the run keeps none it did not choose)."""
+    GEMM speed on CPUs without native half GEMMs (where torch's bf16 path is several times
+    slower, README, Speed). The weight and bias in float32 are the kept copies
+    (_f32_copies), so no call converts them; `f32`: copies of the caller's (timing makes
+    its own, so that the run keeps none it did not choose)."""
     w, b = _f32_copies(weight, bias) if f32 is None else f32
     return F.linear(x.float(), w, b).to(x.dtype)
 
@@ -337,7 +329,7 @@ LINEAR: dict[str, Callable] = {"linear": F.linear, "f32-upcast": _linear_f32}
 def _conv1d_f32(x, weight, bias, stride, padding, f32=None):
     """The convolution in float32 from f16/bf16 inputs and the kept float32 copies of its
     weight and bias, rounded once (see _linear_f32): torch's bf16 convolution on AVX2 is its
-    slow reference loop (tiny's encoder conv2, two windows: 1.16 s)."""
+    slow reference loop."""
     w, b = _f32_copies(weight, bias) if f32 is None else f32
     return F.conv1d(x.float(), w, b, stride, padding).to(x.dtype)
 
@@ -353,30 +345,6 @@ def upcast_candidates(kind: str, dtype: torch.dtype) -> tuple[str, ...]:
     f32 (nothing to time), and the f32 upcast beside it for f16/bf16."""
     names = tuple(LINEAR if kind == "linear" else CONV1D)
     return names[:1] if dtype == torch.float32 else names
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear(x, weight, bias) by the fastest implementation for its dtype and shape."""
-    if x.dtype == torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling():
-        return F.linear(x, weight, bias)
-    return LINEAR[_selector().linear_choice(x, weight)](x, weight, bias)
-
-
-def int8_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (weight * scale)^T + bias for an int8 weight, by the fastest implementation here
-    (the dequantizing reference while torch.compile traces)."""
-    if torch.compiler.is_compiling():
-        return _int8_dequant(x, weight, scale, bias)
-    choice = _selector().int8_choice(x, weight)
-    return INT8_LINEAR[choice](x, weight, scale, bias)
-
-
-def conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int, padding: int) -> Tensor:
-    """F.conv1d(x, weight, bias, stride, padding) by the fastest implementation here."""
-    if x.dtype == torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling():
-        return F.conv1d(x, weight, bias, stride, padding)
-    choice = _selector().conv1d_choice(x, weight, stride, padding)
-    return CONV1D[choice](x, weight, bias, stride, padding)
 
 
 def logits_candidates(dtype: torch.dtype) -> tuple[str, ...]:
@@ -524,42 +492,95 @@ def int8_candidates(dtype: torch.dtype) -> tuple[str, ...]:
 
 
 # --- the public entry points ----------------------------------------------------------
+# Each runs the implementation its plan names for the call's shape class; without a plan,
+# and while torch.compile traces (one graph, no Python-side choice), the reference.
 
 
 def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
     causal: bool = False,
-) -> torch.Tensor:
+    plan: KernelPlan | None = None,
+) -> Tensor:
     """softmax(q k^T / sqrt(D), masked) v: (B, H, T, D) x (B, H, S, D) -> (B, H, T, D).
 
     Same semantics as F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
     is_causal=causal) with a bool mask (True = attend); every query row must see a key.
     """
-    if q.device.type != "cpu" or torch.compiler.is_compiling():
+    if plan is None or torch.compiler.is_compiling():
         return _sdpa(q, k, v, mask, causal)
-    return ATTENTION[attention_choice(q, k, mask, causal)](q, k, v, mask, causal)
+    b, h, t, d = q.shape
+    kind = "causal" if causal else "none" if mask is None else "mask"
+    choice = plan.choice("attention", q.dtype, b, h, t, k.shape[-2], d, kind)
+    return ATTENTION[choice](q, k, v, mask, causal)
 
 
-def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def logits(hidden: Tensor, weight: Tensor, plan: KernelPlan | None = None) -> Tensor:
     """(..., C) hidden states @ weight (V, C)^T -> (..., V), the tied vocabulary projection."""
-    if hidden.device.type != "cpu" or torch.compiler.is_compiling():
+    if plan is None or torch.compiler.is_compiling():
         return hidden @ weight.T
-    return LOGITS[logits_choice(hidden, weight)](hidden, weight)
+    m = hidden.numel() // hidden.shape[-1]
+    return LOGITS[plan.choice("logits", hidden.dtype, m, *weight.shape)](hidden, weight)
 
 
-def attention_choice(
-    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = False
-) -> str:
-    """The implementation `attention` runs on CPU for these arguments (timing it if new)."""
-    return _selector().attention_choice(q, k, mask, causal)
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, plan: KernelPlan | None = None
+) -> Tensor:
+    """F.linear(x, weight, bias) by the implementation the plan names."""
+    if plan is None or torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
+    n, k = weight.shape
+    return LINEAR[plan.choice("linear", x.dtype, x.numel() // k, n, k)](x, weight, bias)
 
 
-def logits_choice(hidden: torch.Tensor, weight: torch.Tensor) -> str:
-    """The implementation `logits` runs on CPU for these arguments (timing it if new)."""
-    return _selector().logits_choice(hidden, weight)
+def int8_linear(
+    x: Tensor,
+    weight: Tensor,
+    scale: Tensor,
+    bias: Tensor | None = None,
+    plan: KernelPlan | None = None,
+) -> Tensor:
+    """x (weight * scale)^T + bias for an int8 weight, by the implementation the plan names
+    (without one, the dequantizing reference)."""
+    if plan is None or torch.compiler.is_compiling():
+        return _int8_dequant(x, weight, scale, bias)
+    n, k = weight.shape
+    choice = plan.choice("int8-linear", x.dtype, x.numel() // k, n, k)
+    return INT8_LINEAR[choice](x, weight, scale, bias)
+
+
+def conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride: int,
+    padding: int,
+    plan: KernelPlan | None = None,
+) -> Tensor:
+    """F.conv1d(x, weight, bias, stride, padding) by the implementation the plan names."""
+    if plan is None or torch.compiler.is_compiling():
+        return F.conv1d(x, weight, bias, stride, padding)
+    c_out, c_in, width = weight.shape
+    choice = plan.choice("conv1d", x.dtype, c_in, c_out, width, x.shape[-1], stride, padding)
+    return CONV1D[choice](x, weight, bias, stride, padding)
+
+
+# --- shape classes -------------------------------------------------------------------------
+# Calls whose costs compare alike share one choice: each op maps its arguments' dtype and
+# shape to a class, named as in the cache file. The plan's lookups and its construction use
+# the same functions, so a call finds the class its model was planned for.
+
+
+@dataclass(frozen=True)
+class ShapeClass:
+    """Calls that share a choice: their name in the cache, the implementations that apply
+    (the reference first), and the shape a timing runs at."""
+
+    name: str
+    candidates: tuple[str, ...]
+    timing: tuple
 
 
 def attention_class(t: int) -> str:
@@ -567,9 +588,252 @@ def attention_class(t: int) -> str:
     return "decode" if t == 1 else "encoder" if t >= ENCODER_ROWS else "prefill"
 
 
-def choices() -> dict[str, dict]:
-    """What was chosen in this process (and read from disk): key -> choice and timings."""
-    return dict(_selector().entries)
+def _bucket(n: int) -> int:
+    """Lengths timed alike: 1 alone, then multiples of 64 (1500 -> 1536)."""
+    return 1 if n == 1 else 64 * math.ceil(n / 64)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _gemm_rows(m: int) -> int:
+    """Rows of a GEMM against a weight timed alike: powers of two up to ENCODER_ROWS, then
+    one class (costs per row are flat there), timed at ENCODER_ROWS: a slow reference's
+    one timed call (a new machine's first load) costs a third of a window's."""
+    return min(_pow2(m), ENCODER_ROWS)
+
+
+def _attention_timing(shape: tuple[int, ...]) -> tuple[int, int, int, int, int]:
+    """The shape a class of attention is timed at: the queries cut to two blocks and the
+    batch so that one K tensor, and the scores, hold at most TIMING_ELEMENTS (per-row
+    costs, not totals, are compared: timing the encoder of a batch of 16 windows costs
+    about one window's encoder attention per candidate)."""
+    b, h, t, s, d = shape
+    t = min(t, 2 * BLOCK_ROWS)  # encoder: per-row costs of sdpa and blocked are flat in T
+    return max(1, min(b, TIMING_ELEMENTS // (h * s * max(d, t)))), h, t, s, d
+
+
+def _attention_shape(dtype: torch.dtype, b, h, t, s, d, kind: str) -> ShapeClass:
+    cls = attention_class(t)
+    shape = (_pow2(b), h, _bucket(t), _bucket(s), d)
+    name = "attention/{}/{}/B{}xH{}xT{}xS{}xD{}/{}".format(dtype_name(dtype), cls, *shape, kind)
+    return ShapeClass(name, attention_candidates(cls), (*_attention_timing(shape), kind))
+
+
+def _logits_shape(dtype: torch.dtype, m: int, v: int, c: int) -> ShapeClass:
+    rows = _gemm_rows(m)
+    name = f"logits/{dtype_name(dtype)}/M{rows}xV{v}xC{c}"
+    return ShapeClass(name, logits_candidates(dtype), (rows,))
+
+
+def _linear_shape(dtype: torch.dtype, m: int, n: int, k: int) -> ShapeClass:
+    rows = _gemm_rows(m)
+    name = f"linear/{dtype_name(dtype)}/M{rows}xN{n}xK{k}"
+    return ShapeClass(name, upcast_candidates("linear", dtype), (rows,))
+
+
+def _int8_shape(dtype: torch.dtype, m: int, n: int, k: int) -> ShapeClass:
+    rows = _gemm_rows(m)
+    name = f"int8-linear/{dtype_name(dtype)}/M{rows}xN{n}xK{k}"
+    return ShapeClass(name, int8_candidates(dtype), (rows,))
+
+
+def _conv1d_shape(dtype: torch.dtype, c_in, c_out, width, length, stride, padding) -> ShapeClass:
+    # Timed on one row of at most CONV_TIMING_LENGTH frames (the batch and the length
+    # only multiply the cost): a slow reference (torch's own bf16 convolution on AVX2)
+    # would otherwise cost a new machine's first load many seconds.
+    n = min(_bucket(length), CONV_TIMING_LENGTH)
+    name = f"conv1d/{dtype_name(dtype)}/Cin{c_in}xCout{c_out}xW{width}xL{n}/s{stride}p{padding}"
+    return ShapeClass(name, upcast_candidates("conv1d", dtype), (n, stride, padding))
+
+
+Runs = dict[str, Callable[[], object]]
+
+
+@dataclass(frozen=True)
+class _Op:
+    shape_class: Callable[..., ShapeClass]  # (dtype, *shape) -> its class
+    runs: Callable[[ShapeClass, torch.dtype, Tensor | None, torch.device], Runs]  # to time
+
+
+# Every op the plan decides, by one mechanism: a class per call, a choice per class.
+OPS: dict[str, _Op] = {
+    "attention": _Op(
+        _attention_shape,
+        lambda cls, dtype, weight, device: _attention_runs(
+            cls.candidates, cls.timing[:5], dtype, device, cls.timing[5]
+        ),
+    ),
+    "logits": _Op(
+        _logits_shape,
+        lambda cls, dtype, weight, device: _logits_runs(cls.candidates, *cls.timing, weight),
+    ),
+    "linear": _Op(
+        _linear_shape,
+        lambda cls, dtype, weight, device: _linear_runs(cls.candidates, *cls.timing, weight),
+    ),
+    "int8-linear": _Op(
+        _int8_shape,
+        lambda cls, dtype, weight, device: _int8_runs(cls.candidates, *cls.timing, dtype, weight),
+    ),
+    "conv1d": _Op(
+        _conv1d_shape,
+        lambda cls, dtype, weight, device: _conv1d_runs(
+            cls.candidates, *cls.timing[:1], weight, *cls.timing[1:]
+        ),
+    ),
+}
+
+
+# --- the plan ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """A call a model's forward makes, as a plan is built for it: the op, its arguments'
+    shape as that op's class function takes it (see OPS), and the weight of the ops that
+    have one (timed on it, as it is)."""
+
+    op: str
+    shape: tuple
+    weight: Tensor | None = None
+
+
+@dataclass
+class KernelPlan:
+    """Which implementation runs each kernel call: per op and shape class, for one machine
+    (CPU model, torch version), thread count, device and dtype.
+
+    Built once, where the model is loaded (build_plan), and handed to the model's modules.
+    A call only looks its class up, in memory: nothing is timed, read or written while a
+    model runs. A class the plan does not hold runs as the mode says (auto: the reference),
+    and the same kernels run for the same shapes for the model's whole life.
+    """
+
+    mode: str  # "auto", "reference", or implementation names forced where they apply
+    device: str
+    dtype: torch.dtype
+    threads: int
+    choices: dict[str, str] = field(default_factory=dict)  # class name -> implementation
+    ms: dict[str, dict[str, float]] = field(default_factory=dict)  # the timings behind them
+    timed: set[str] = field(default_factory=set)  # classes timed by this build, not read
+    # Exact call shape -> implementation, filled as calls come (a dict lookup per call).
+    _memo: dict[tuple, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def choice(self, op: str, dtype: torch.dtype, *shape) -> str:
+        """The implementation a call of `op` on `dtype` arguments of `shape` runs."""
+        key = (op, dtype, *shape)
+        choice = self._memo.get(key)
+        if choice is None:
+            cls = OPS[op].shape_class(dtype, *shape)
+            choice = self.choices.get(cls.name)
+            if choice not in cls.candidates:
+                choice = _untimed(self.mode, cls.candidates)
+            self._memo[key] = choice
+        return choice
+
+    def summary(self) -> str:
+        """One line: the mode, where it applies, and per op how many shape classes run
+        which implementation."""
+        per_op: dict[str, Counter[str]] = {}
+        for name, choice in self.choices.items():
+            per_op.setdefault(name.split("/")[0], Counter())[choice] += 1
+        ops = "; ".join(
+            f"{op} " + ", ".join(f"{impl} x{n}" for impl, n in counts.most_common())
+            for op, counts in per_op.items()
+        )
+        head = f"{self.mode} ({self.device}, {dtype_name(self.dtype)}, {self.threads} threads"
+        head += f", {len(self.timed)} of {len(self.choices)} classes timed now)"
+        return f"{head}: {ops}" if ops else head
+
+    def report(self) -> dict[str, object]:
+        """The plan as JSON-ready data: what it is for, and every class's choice."""
+        return {
+            "mode": self.mode,
+            "device": self.device,
+            "dtype": dtype_name(self.dtype),
+            "threads": self.threads,
+            "machine": _machine(),
+            "timed_now": len(self.timed),
+            "choices": dict(sorted(self.choices.items())),
+        }
+
+
+def _untimed(mode: str, candidates: tuple[str, ...]) -> str:
+    """The choice made without a timing: the first forced name that applies, else the
+    reference."""
+    if mode not in ("auto", "reference"):
+        forced = [c for c in mode.split(",") if c in candidates]
+        if forced:
+            return forced[0]
+    return candidates[0]
+
+
+def kernels_mode() -> str:
+    """WHISPER_CLI_KERNELS: `auto` (default: the timed choices), `reference` (SDPA, `@`,
+    F.linear, F.conv1d, the dequantizing int8 linear) or a comma list of implementation
+    names forced where they apply (the reference elsewhere); the last two time nothing."""
+    return os.environ.get("WHISPER_CLI_KERNELS", "auto").strip() or "auto"
+
+
+def build_plan(
+    calls: Iterable[KernelCall],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    mode: str | None = None,
+    path: Path | None = None,
+) -> KernelPlan:
+    """The plan for `calls` (a model's: model.Whisper.kernel_calls) in `dtype` on `device`.
+
+    Mode auto: each shape class's choice read from the cache file (`path`, default
+    kernels_cache_path()) for this machine and thread count, or timed now where the file
+    has none (or one made among other candidates) and merged into it. Other modes, and a
+    class with one candidate (f32 linear layers and convolutions), time nothing. Off the
+    CPU the reference runs everywhere.
+    """
+    device = torch.device(device)
+    mode = kernels_mode() if mode is None else mode
+    if device.type != "cpu":
+        mode = "reference"
+    plan = KernelPlan(mode, device.type, dtype, torch.get_num_threads())
+    path = kernels_cache_path() if path is None else path
+    cached = _read(path) if mode == "auto" else {}
+    prefix = f"{_machine()}|threads={plan.threads}|"
+    saved: dict[str, dict] = {}
+    times_of: dict[tuple, dict[str, float]] = {}  # the same calls are timed once
+    for call in calls:
+        op = OPS[call.op]
+        cls = op.shape_class(dtype, *call.shape)
+        if cls.name in plan.choices:
+            continue
+        if mode != "auto" or len(cls.candidates) == 1:
+            plan.choices[cls.name] = _untimed(mode, cls.candidates)
+            continue
+        entry = cached.get(prefix + cls.name)
+        if not _current(entry, cls.candidates):
+            runs = (call.op, cls.candidates, cls.timing, id(call.weight))
+            if runs not in times_of:
+                times_of[runs] = _time(op.runs(cls, dtype, call.weight, device))
+            times = times_of[runs]
+            entry = {"choice": _fastest_of(times), "ms": {n: round(t, 3) for n, t in times.items()}}
+            saved[prefix + cls.name] = entry
+            plan.timed.add(cls.name)
+            log.debug("kernel %s: %s (%s)", cls.name, entry["choice"], entry["ms"])
+        plan.choices[cls.name] = entry["choice"]
+        plan.ms[cls.name] = entry["ms"]
+    if saved:
+        _write(path, saved)
+    return plan
+
+
+def _current(entry: object, candidates: tuple[str, ...]) -> bool:
+    """A cached entry still decides: its choice is a candidate and it was timed among
+    exactly these (one that joined or left since makes it a choice among others)."""
+    if not isinstance(entry, dict) or entry.get("choice") not in candidates:
+        return False
+    ms = entry.get("ms")
+    return isinstance(ms, dict) and set(ms) == set(candidates)
 
 
 def kernels_cache_path() -> Path:
@@ -581,13 +845,36 @@ def kernels_cache_path() -> Path:
     return Path(base) / "whisper-cli" / "kernels.json"
 
 
-def reset() -> None:
-    """Forget the choices made in this process and reread the environment (tests)."""
-    global _SELECTOR
-    _SELECTOR = None
+def _read(path: Path) -> dict[str, dict]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+        return {}
+    entries = data.get("entries")
+    return entries if isinstance(entries, dict) else {}
 
 
-# --- selection -------------------------------------------------------------------------
+def _write(path: Path, entries: dict[str, dict]) -> None:
+    """Merge into the file (others may have written since), atomically; a cache that
+    cannot be written costs a new timing next load, never the run."""
+    tmp = None
+    try:
+        on_disk = _read(path)
+        on_disk.update(entries)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".kernels-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": CACHE_VERSION, "entries": on_disk}, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.debug("kernel choices not saved to %s: %s", path, exc)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+# --- timing --------------------------------------------------------------------------------
 
 
 def cpu_model() -> str:
@@ -600,13 +887,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def _bucket(n: int) -> int:
-    """Lengths timed alike: 1 alone, then multiples of 64 (1500 -> 1536)."""
-    return 1 if n == 1 else 64 * math.ceil(n / 64)
+_MACHINE: str | None = None
 
 
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+def _machine() -> str:
+    global _MACHINE
+    if _MACHINE is None:
+        _MACHINE = f"cpu={cpu_model()}|torch={torch.__version__}"
+    return _MACHINE
 
 
 def _call_s(fn: Callable[[], object]) -> float:
@@ -615,9 +903,9 @@ def _call_s(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def time_candidates(candidates: dict[str, Callable[[], object]]) -> dict[str, tuple[float, bool]]:
+def time_candidates(candidates: Runs) -> dict[str, tuple[float, bool]]:
     """name -> (ms, timed): the fastest of its timed calls, or (its warm-up, False) for a
-    candidate dropped after it. The protocol of the selector (see TIMING_REPS)."""
+    candidate dropped after it. The protocol of every choice (see TIMING_REPS)."""
     _warm_allocator()
     with torch.no_grad():
         warm = {name: _call_s(fn) for name, fn in candidates.items()}
@@ -633,12 +921,23 @@ def time_candidates(candidates: dict[str, Callable[[], object]]) -> dict[str, tu
     return {n: (timed[n] * 1e3, True) if n in timed else (warm[n] * 1e3, False) for n in warm}
 
 
-def _fastest(candidates: dict[str, Callable[[], object]]) -> tuple[str, dict[str, float]]:
-    """The fastest candidate and every one's ms; the first (the reference) wins ties."""
-    times = {name: ms for name, (ms, _) in time_candidates(candidates).items()}
+def _time(candidates: Runs) -> dict[str, float]:
+    """Every candidate's ms (the first is the reference)."""
+    return {name: ms for name, (ms, _) in time_candidates(candidates).items()}
+
+
+def _fastest_of(times: dict[str, float]) -> str:
+    """The fastest, where TIMING_MARGIN faster than the reference (the first); else the
+    reference (ties keep it, and a repeated timing does not flip between near-equals)."""
     reference = next(iter(times))
     best = min(times, key=times.__getitem__)
-    return (best if times[best] < TIMING_MARGIN * times[reference] else reference), times
+    return best if times[best] < TIMING_MARGIN * times[reference] else reference
+
+
+def _fastest(candidates: Runs) -> tuple[str, dict[str, float]]:
+    """The fastest candidate and every one's ms."""
+    times = _time(candidates)
+    return _fastest_of(times), times
 
 
 def _warm_allocator() -> None:
@@ -647,176 +946,27 @@ def _warm_allocator() -> None:
     glibc serves blocks above its mmap threshold (128 KiB at start) with fresh, page-
     faulted mappings, and raises the threshold (to at most 32 MiB) when such a block is
     freed, as happens in any run once weights are loaded. Before that, every tile of
-    "blocked" attention is page-faulted in: bf16 decode cross-attention measured 48 ms
-    in a fresh process against 6.5-10 ms after one 30 MB block was freed (SDPA 10-13 ms
-    either way), so a timing in a fresh process would choose, and save, the wrong kernel.
-    Allocating and freeing one such block here gives every process the warm state.
+    "blocked" attention is page-faulted in, so a timing in a fresh process would choose,
+    and save, the wrong kernel. Allocating and freeing one such block here gives every
+    process the warm state.
     """
     torch.empty(30 << 18).fill_(0)  # 30 MiB, touched, freed
 
 
-@dataclass
-class _Selector:
-    """Choices per key: in memory, read from and written to the JSON cache (mode auto)."""
-
-    mode: str  # "auto", "reference" or a comma list of forced implementation names
-    path: Path
-    entries: dict[str, dict]
-    memo: dict[tuple, str]
-
-    def attention_choice(self, q, k, mask, causal) -> str:
-        b, h, t, d = q.shape
-        s = k.shape[-2]
-        kind = "causal" if causal else "none" if mask is None else "mask"
-        key = ("attention", q.dtype, b, h, t, s, d, kind, torch.get_num_threads())
-        choice = self.memo.get(key)
-        if choice is None:
-            cls = attention_class(t)
-            shape = (_pow2(b), h, _bucket(t), _bucket(s), d)
-            name = "attention/{}/{}/B{}xH{}xT{}xS{}xD{}/{}".format(
-                dtype_name(q.dtype), cls, *shape, kind
-            )
-            cands = attention_candidates(cls, q.dtype)
-            choice = self._choose(name, cands, lambda: _attention_runs(cands, shape, q, kind))
-            self.memo[key] = choice
-        return choice
-
-    def logits_choice(self, hidden, weight) -> str:
-        m = hidden.numel() // hidden.shape[-1]
-        v, c = weight.shape
-        key = ("logits", hidden.dtype, m, v, c, torch.get_num_threads())
-        choice = self.memo.get(key)
-        if choice is None:
-            shape = (_pow2(m), v, c)
-            name = "logits/{}/M{}xV{}xC{}".format(dtype_name(hidden.dtype), *shape)
-            cands = logits_candidates(hidden.dtype)
-            choice = self._choose(name, cands, lambda: _logits_runs(cands, shape[0], weight))
-            self.memo[key] = choice
-        return choice
-
-    def linear_choice(self, x, weight) -> str:
-        n, k = weight.shape
-        m = x.numel() // k
-        key = ("linear", x.dtype, m, n, k, torch.get_num_threads())
-        choice = self.memo.get(key)
-        if choice is None:
-            # Rows per call: by powers of two up to ENCODER_ROWS, then alike (costs per
-            # row are flat there), timed at ENCODER_ROWS: a slow reference's one timed
-            # call (a new machine's first run) costs a third of a window's.
-            rows = min(_pow2(m), ENCODER_ROWS)
-            name = f"linear/{dtype_name(x.dtype)}/M{rows}xN{n}xK{k}"
-            cands = upcast_candidates("linear", x.dtype)
-            choice = self._choose(name, cands, lambda: _linear_runs(cands, rows, weight))
-            self.memo[key] = choice
-        return choice
-
-    def int8_choice(self, x, weight) -> str:
-        n, k = weight.shape
-        m = x.numel() // k
-        key = ("int8", x.dtype, m, n, k, torch.get_num_threads())
-        choice = self.memo.get(key)
-        if choice is None:
-            rows = min(_pow2(m), ENCODER_ROWS)  # as linear_choice
-            name = f"int8-linear/{dtype_name(x.dtype)}/M{rows}xN{n}xK{k}"
-            cands = int8_candidates(x.dtype)
-            choice = self._choose(name, cands, lambda: _int8_runs(cands, rows, x.dtype, weight))
-            self.memo[key] = choice
-        return choice
-
-    def conv1d_choice(self, x, weight, stride: int, padding: int) -> str:
-        c_out, c_in, width = weight.shape
-        length = x.shape[-1]
-        key = ("conv1d", x.dtype, x.shape[0], c_in, c_out, width, length, stride, padding)
-        key = (*key, torch.get_num_threads())
-        choice = self.memo.get(key)
-        if choice is None:
-            # Timed on one row of at most CONV_TIMING_LENGTH frames (the batch and the
-            # length only multiply the cost): large-v3's bf16 conv2 through torch's own
-            # path on Zen 3 took 26 s a window, paid once by a new machine's first run.
-            n = min(_bucket(length), CONV_TIMING_LENGTH)
-            name = f"conv1d/{dtype_name(x.dtype)}/Cin{c_in}xCout{c_out}xW{width}xL{n}"
-            name += f"/s{stride}p{padding}"
-            cands = upcast_candidates("conv1d", x.dtype)
-            choice = self._choose(
-                name, cands, lambda: _conv1d_runs(cands, n, weight, stride, padding)
-            )
-            self.memo[key] = choice
-        return choice
-
-    def _choose(self, name: str, cands: tuple[str, ...], runs) -> str:
-        if self.mode == "reference":
-            return cands[0]
-        if self.mode != "auto":
-            forced = [c for c in self.mode.split(",") if c in cands]
-            return forced[0] if forced else cands[0]
-        key = f"{_machine()}|threads={torch.get_num_threads()}|{name}"
-        entry = self.entries.get(key)
-        # Timed again when a candidate joined (or left) since: the choice was among others.
-        if (
-            not isinstance(entry, dict)
-            or entry.get("choice") not in cands
-            or _timed(entry) != set(cands)
-        ):
-            choice, times = _fastest(runs())
-            entry = {"choice": choice, "ms": {n: round(ms, 3) for n, ms in times.items()}}
-            self.entries[key] = entry
-            log.debug("kernel %s: %s (%s)", key, choice, entry["ms"])
-            self._write(key, entry)
-        return entry["choice"]
-
-    def _write(self, key: str, entry: dict) -> None:
-        """Merge into the file (others may have written since), atomically; a cache that
-        cannot be written costs a new timing next run, never the run."""
-        tmp = None
-        try:
-            on_disk = _read(self.path)
-            on_disk[key] = entry
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".kernels-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump({"version": CACHE_VERSION, "entries": on_disk}, f, indent=1)
-            os.replace(tmp, self.path)
-        except OSError as exc:
-            log.debug("kernel choices not saved to %s: %s", self.path, exc)
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
-
-
-def _timed(entry: dict) -> set[str]:
-    ms = entry.get("ms")
-    return set(ms) if isinstance(ms, dict) else set()
-
-
-def _read(path: Path) -> dict[str, dict]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
-        return {}
-    entries = data.get("entries")
-    return entries if isinstance(entries, dict) else {}
-
-
-def _attention_runs(cands, shape, like: torch.Tensor, kind: str) -> dict[str, Callable[[], object]]:
-    """Calls of each candidate on random tensors of the bucket's shape, the queries cut to
-    two blocks and the batch so that one K tensor, and the scores, hold at most
-    TIMING_ELEMENTS (per-row costs, not totals, are compared: timing the encoder of a
-    batch of 16 windows costs about one window's encoder attention per candidate)."""
+def _attention_runs(cands, shape, dtype: torch.dtype, device, kind: str) -> Runs:
+    """Calls of each candidate on random tensors of `shape` (see _attention_timing)."""
     b, h, t, s, d = shape
-    t = min(t, 2 * BLOCK_ROWS)  # encoder: per-row costs of sdpa and blocked are flat in T
-    b = max(1, min(b, TIMING_ELEMENTS // (h * s * max(d, t))))
     # A generator of its own: timing never moves the global random state.
-    g = torch.Generator(device=like.device).manual_seed(0)
-    opts = {"dtype": like.dtype, "device": like.device, "generator": g}
+    g = torch.Generator(device=device).manual_seed(0)
+    opts = {"dtype": dtype, "device": device, "generator": g}
     q = torch.randn(b, t, h, d, **opts).transpose(1, 2)  # as split heads: (B, H, T, D) view
     k, v = torch.randn(b, h, s, d, **opts), torch.randn(b, h, s, d, **opts)  # as the caches
-    mask = torch.ones(t, s, dtype=torch.bool, device=like.device) if kind == "mask" else None
+    mask = torch.ones(t, s, dtype=torch.bool, device=device) if kind == "mask" else None
     causal = kind == "causal"
     return {n: (lambda f=ATTENTION[n]: f(q, k, v, mask, causal)) for n in cands}
 
 
-def _logits_runs(cands, m: int, weight: Tensor) -> dict[str, Callable[[], object]]:
+def _logits_runs(cands, m: int, weight: Tensor) -> Runs:
     """Calls of each candidate on the real weight (no copy of it) and random hidden rows."""
     g = torch.Generator(device=weight.device).manual_seed(0)
     shape = (m, 1, weight.shape[1])
@@ -831,7 +981,7 @@ def _logits_runs(cands, m: int, weight: Tensor) -> dict[str, Callable[[], object
     return runs
 
 
-def _linear_runs(cands, m: int, weight: Tensor) -> dict[str, Callable[[], object]]:
+def _linear_runs(cands, m: int, weight: Tensor) -> Runs:
     """Calls of each candidate on the real weight, no bias (its add costs alike), and
     random rows of its input."""
     g = torch.Generator(device=weight.device).manual_seed(0)
@@ -843,7 +993,7 @@ def _linear_runs(cands, m: int, weight: Tensor) -> dict[str, Callable[[], object
     return runs
 
 
-def _int8_runs(cands, m: int, dtype: torch.dtype, weight: Tensor):
+def _int8_runs(cands, m: int, dtype: torch.dtype, weight: Tensor) -> Runs:
     """Calls of each candidate on the real int8 weight, unit scales, no bias, and random
     rows in `dtype`; each prepares its own form of the weight, freed with the timing."""
     g = torch.Generator(device=weight.device).manual_seed(0)
@@ -858,7 +1008,7 @@ def _int8_runs(cands, m: int, dtype: torch.dtype, weight: Tensor):
     return {n: run(n) for n in cands}
 
 
-def _conv1d_runs(cands, length: int, weight: Tensor, stride: int, padding: int):
+def _conv1d_runs(cands, length: int, weight: Tensor, stride: int, padding: int) -> Runs:
     g = torch.Generator(device=weight.device).manual_seed(0)
     shape = (1, weight.shape[1], length)
     x = torch.randn(shape, dtype=weight.dtype, device=weight.device, generator=g)
@@ -867,25 +1017,3 @@ def _conv1d_runs(cands, length: int, weight: Tensor, stride: int, padding: int):
         f32 = (weight.float(), None)
         runs["f32-upcast"] = lambda: CONV1D["f32-upcast"](x, weight, None, stride, padding, f32)
     return runs
-
-
-_MACHINE: str | None = None
-
-
-def _machine() -> str:
-    global _MACHINE
-    if _MACHINE is None:
-        _MACHINE = f"cpu={cpu_model()}|torch={torch.__version__}"
-    return _MACHINE
-
-
-_SELECTOR: _Selector | None = None
-
-
-def _selector() -> _Selector:
-    global _SELECTOR
-    if _SELECTOR is None:
-        mode = os.environ.get("WHISPER_CLI_KERNELS", "auto").strip() or "auto"
-        path = kernels_cache_path()
-        _SELECTOR = _Selector(mode, path, _read(path) if mode == "auto" else {}, {})
-    return _SELECTOR

@@ -3,7 +3,8 @@
 This is the one place weights enter the process: every checkpoint key must match a
 parameter of our modules by name and shape, and every floating tensor is cast to the
 run dtype here, once (the linear layers' weights quantized here, once, under
-`--quantize int8`).
+`--quantize int8`). The model's kernel plan is made here too, once its weights are in
+place, and handed to it: the model never chooses, times or caches a kernel as it runs.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from pathlib import Path
 
 import torch
 
+from whisper_cli import kernels
 from whisper_cli.config import MULTILINGUAL_VOCAB_SIZE, GenerationConfig, ModelConfig
 from whisper_cli.dtypes import DtypePolicy, cast_weight, ieee_float32
 from whisper_cli.errors import WhisperCliError
-from whisper_cli.model import Whisper
-from whisper_cli.options import default_model
+from whisper_cli.model import Reach, Whisper
+from whisper_cli.options import TranscribeOptions, default_model
 from whisper_cli.tokenizer import Tokenizer
 
 ALIASES: dict[str, str] = {
@@ -212,10 +214,13 @@ class LoadedModel:
     name: str
 
 
-def load_model(name: str | None, policy: DtypePolicy) -> LoadedModel:
-    """Resolve, read and build a model in the policy's dtype and device; no name: the
-    default model of that device (options.default_model), decided here and nowhere else
-    on the transcription path, so a Ray worker picks the default of its own device."""
+def load_model(
+    name: str | None, policy: DtypePolicy, options: TranscribeOptions | None = None
+) -> LoadedModel:
+    """Resolve, read and build a model in the policy's dtype and device, with the kernel
+    plan of runs with `options` (default: the default options; see plan_kernels); no name:
+    the default model of that device (options.default_model), decided here and nowhere
+    else on the transcription path, so a Ray worker picks the default of its own device."""
     if name is None:
         name = default_model(policy.device.type)
     model_dir = resolve_model(name)
@@ -230,4 +235,33 @@ def load_model(name: str | None, policy: DtypePolicy) -> LoadedModel:
     load_weights(model, read_checkpoint(model_dir), policy)
     model.eval().requires_grad_(False)
     ieee_float32(policy)
+    plan_kernels(model, policy, run_reach(options or TranscribeOptions(), config, tokenizer))
     return LoadedModel(model, tokenizer, config, generation, policy, model_dir, name)
+
+
+def run_reach(options: TranscribeOptions, config: ModelConfig, tokenizer: Tokenizer) -> Reach:
+    """The shapes a run with `options` reaches (model.Reach): its batch size; its prompt,
+    which an initial prompt may grow to the whole text context; the prompt and
+    max_new_tokens with the end of text; the alignment pass with word timestamps."""
+    from whisper_cli.timing import LOGITS_ROWS
+
+    longest = config.max_target_positions
+    prompt = len(tokenizer.prompt(None, options.task, timestamps=False))
+    if options.initial_prompt:
+        prompt = longest
+    text = min(prompt + options.max_new_tokens + 1, longest)
+    aligned = LOGITS_ROWS if options.word_timestamps else 0
+    return Reach(options.batch_size, prompt, text, aligned)
+
+
+def plan_kernels(
+    model: Whisper, policy: DtypePolicy, reach: Reach, mode: str | None = None
+) -> kernels.KernelPlan:
+    """Give `model` (its weights in place) the kernel plan of its dtype and device for
+    the shapes of `reach`: each choice read from the kernel cache, or timed now where the
+    cache has none (then saved there); `mode`: WHISPER_CLI_KERNELS when None. Shapes
+    outside the reach (a larger batch, say) run the reference kernels."""
+    calls = model.kernel_calls(reach)
+    plan = kernels.build_plan(calls, policy.dtype, policy.device, mode=mode)
+    model.use_plan(plan)
+    return plan

@@ -10,6 +10,7 @@ H heads, D head dim, L cache length (prompt + max new tokens), V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,19 @@ class DecodeCaches:
         return [t for c in (*self.self_attn, *self.cross) for t in (c.k, c.v)]
 
 
+@dataclass(frozen=True)
+class Reach:
+    """The shapes a run's forward passes reach, which its kernel plan covers: batches of
+    up to `batch` rows, prompts of up to `prompt` positions, sequences of up to `text`;
+    with `aligned_rows`, whole sequences through the word-alignment pass, whose vocabulary
+    projection takes that many rows at a time (0: no alignment pass)."""
+
+    batch: int
+    prompt: int
+    text: int
+    aligned_rows: int = 0
+
+
 class Table(nn.Embedding):
     """An embedding table whose values always come from the checkpoint.
 
@@ -84,26 +98,34 @@ class Table(nn.Embedding):
 
 
 class Linear(nn.Linear):
-    """nn.Linear (the same parameters) run by kernels.linear: the fastest GEMM for its
-    dtype on this CPU."""
+    """nn.Linear (the same parameters) run by kernels.linear: the GEMM its kernel plan
+    names (see Whisper.use_plan)."""
+
+    plan: kernels.KernelPlan | None = None  # None: torch's reference kernel
+    kernel_op = "linear"  # its op in a kernel plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias, self.plan)
 
 
 class Conv1d(nn.Conv1d):
-    """nn.Conv1d (the same parameters) run by kernels.conv1d: stride and padding only
-    (Whisper's convolutions have no dilation or groups)."""
+    """nn.Conv1d (the same parameters) run by kernels.conv1d as its kernel plan names:
+    stride and padding only (Whisper's convolutions have no dilation or groups)."""
+
+    plan: kernels.KernelPlan | None = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         assert self.dilation == (1,) and self.groups == 1 and self.padding_mode == "zeros"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.conv1d(x, self.weight, self.bias, self.stride[0], self.padding[0])
+        stride, padding = self.stride[0], self.padding[0]
+        return kernels.conv1d(x, self.weight, self.bias, stride, padding, self.plan)
 
 
 class Attention(nn.Module):
+    plan: kernels.KernelPlan | None = None  # the attention kernels (see Whisper.use_plan)
+
     def __init__(self, d_model: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
@@ -124,7 +146,7 @@ class Attention(nn.Module):
         mask: torch.Tensor | None = None,
         causal: bool = False,
     ) -> torch.Tensor:
-        y = kernels.attention(q, k, v, mask, causal)  # (B, H, T, D), the fastest kernel here
+        y = kernels.attention(q, k, v, mask, causal, self.plan)  # (B, H, T, D)
         b, h, t, d = y.shape
         return self.out_proj(y.transpose(1, 2).reshape(b, t, h * d))
 
@@ -237,6 +259,33 @@ class DecoderLayer(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x)))), scores
 
 
+def _class_ends(n: int) -> list[int]:
+    """1..n at the upper end of every shape class a length or a count falls in: the
+    powers of two and the multiples of 64 up to n, and n."""
+    powers = [1 << i for i in range(n.bit_length()) if 1 << i <= n]
+    return sorted({*powers, *range(64, n + 1, 64), n})
+
+
+def _logits_calls(decoder: Decoder, rows: list[int]) -> Iterator[kernels.KernelCall]:
+    weight = decoder.embed_tokens.weight
+    for m in rows:
+        yield kernels.KernelCall("logits", (m, *weight.shape), weight)
+
+
+def _linear_calls(module: nn.Module, rows: list[int]) -> Iterator[kernels.KernelCall]:
+    """The calls of the linear layers under `module` (float or int8 weights) on `rows`,
+    one layer per op and weight shape (layers alike share their classes)."""
+    seen = set()
+    for layer in module.modules():
+        op = getattr(type(layer), "kernel_op", None)
+        key = (op, tuple(layer.weight.shape)) if op is not None else None
+        if key is not None and key not in seen:
+            seen.add(key)
+            n, k = layer.weight.shape
+            for m in rows:
+                yield kernels.KernelCall(op, (m, n, k), layer.weight)
+
+
 class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -264,6 +313,8 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
+    plan: kernels.KernelPlan | None = None  # the tied projection's kernel
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         c = cfg.d_model
@@ -333,8 +384,8 @@ class Decoder(nn.Module):
         """(..., C) final hidden states -> (..., V) logits."""
         if self.proj_out is not None:
             return self.proj_out(hidden)
-        # The output projection is tied to the embedding; the kernel is chosen per machine.
-        return kernels.logits(hidden, self.embed_tokens.weight)
+        # The output projection is tied to the embedding; the kernel is the plan's.
+        return kernels.logits(hidden, self.embed_tokens.weight, self.plan)
 
     def forward_aligned(
         self,
@@ -368,6 +419,52 @@ class Whisper(nn.Module):
         self.config = cfg
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
+        self.plan: kernels.KernelPlan | None = None  # None: torch's reference kernels
+
+    def use_plan(self, plan: kernels.KernelPlan | None) -> None:
+        """Run every kernel call by `plan` (made for this model's dtype and device, see
+        kernel_calls): each module that calls a kernel holds it from now on."""
+        self.plan = plan
+        for module in self.modules():
+            if module is not self and hasattr(type(module), "plan"):
+                module.plan = plan
+
+    def kernel_calls(self, reach: Reach) -> Iterator[kernels.KernelCall]:
+        """The kernel calls of a run's forward passes (see Reach): at least one per shape
+        class they can reach (kernels.build_plan keeps one of each), with the weights as
+        this model holds them. Lengths and counts are taken at the upper end of every class
+        (see _class_ends), so each one of a run falls in the class of one of them."""
+        cfg, enc, dec = self.config, self.encoder, self.decoder
+        frames = cfg.max_source_positions  # encoder positions; the mel has twice as many
+        for conv in (enc.conv1, enc.conv2):
+            c_out, c_in, width = conv.weight.shape
+            shape = (c_in, c_out, width, 2 * frames, conv.stride[0], conv.padding[0])
+            yield kernels.KernelCall("conv1d", shape, conv.weight)
+        prompts = [t for t in _class_ends(reach.prompt) if t > 1]
+        texts = _class_ends(reach.text)
+        whole = [t for t in texts if t > 1] if reach.aligned_rows else []
+        h, d = dec.heads, cfg.d_model // dec.heads
+        for b in _class_ends(reach.batch):
+            h_enc = cfg.encoder_attention_heads
+            d_enc = cfg.d_model // h_enc
+            yield kernels.KernelCall("attention", (b, h_enc, frames, frames, d_enc, "none"))
+            yield from _linear_calls(enc, [b * frames])
+            # The decoder: one token (the language pass, a step) over the positions written
+            # so far, a prompt, whole sequences (the alignment pass); cross-attention K/V
+            # projected once per batch.
+            rows = [b, *(b * t for t in prompts), *(b * t for t in whole), b * frames]
+            yield from _linear_calls(dec, rows)
+            for s in texts:
+                yield kernels.KernelCall("attention", (b, h, 1, s, d, "none"))
+            for t in [1, *prompts, *whole]:
+                if t > 1:
+                    yield kernels.KernelCall("attention", (b, h, t, t, d, "causal"))
+                yield kernels.KernelCall("attention", (b, h, t, frames, d, "none"))
+            if dec.proj_out is None:  # the tied projection: a step's rows, a prompt's
+                yield from _logits_calls(dec, [b, *(b * t for t in prompts)])
+        if dec.proj_out is None and reach.aligned_rows:
+            most = min(reach.aligned_rows, reach.batch * reach.text)
+            yield from _logits_calls(dec, _class_ends(most))
 
     @property
     def dtype(self) -> torch.dtype:

@@ -23,7 +23,11 @@ EMBEDDING_KEY = "decoder.embed_tokens.weight"
 
 class Int8Linear(nn.Module):
     """x W^T + b with W = weight (int8, (N, K)) * weight_scale (float32, (N,)) per row,
-    computed by kernels.int8_linear; x, b and the result in the run dtype."""
+    computed by kernels.int8_linear as its kernel plan names; x, b and the result in the
+    run dtype."""
+
+    plan: kernels.KernelPlan | None = None  # None: the dequantizing reference
+    kernel_op = "int8-linear"  # its op in a kernel plan
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -40,7 +44,7 @@ class Int8Linear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.int8_linear(x, self.weight, self.weight_scale, self.bias)
+        return kernels.int8_linear(x, self.weight, self.weight_scale, self.bias, self.plan)
 
 
 def int8_linear(source: torch.Tensor, bias: torch.Tensor | None, policy: DtypePolicy) -> Int8Linear:

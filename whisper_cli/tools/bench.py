@@ -175,6 +175,9 @@ class ConfigResult:
     # and their totals after the warm-up run (where compilation happens).
     engine: dict[str, float] = field(default_factory=dict)
     engine_warmup: dict[str, float] = field(default_factory=dict)
+    # The kernel plan the model ran with (kernels.KernelPlan.report), and its one line.
+    kernels: dict[str, Any] = field(default_factory=dict)
+    kernels_summary: str = ""
 
 
 @dataclass(frozen=True)
@@ -455,24 +458,23 @@ def measure(
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(device)
 
+    compiled = use_compile(spec["compile"], device.type)
+    options = TranscribeOptions(
+        language=spec["language"],
+        timestamps=spec["timestamps"],
+        batch_size=spec["batch_size"],
+        max_new_tokens=spec["max_new_tokens"],
+        compile=compiled,
+        vad=spec.get("vad", True),
+        word_timestamps=spec.get("word_timestamps", False),
+    )
     started = time.perf_counter()
-    loaded = load_model(spec["model"], policy)
+    loaded = load_model(spec["model"], policy, options)  # with its kernel plan
     sync()
     load_s = time.perf_counter() - started
-    compiled = use_compile(spec["compile"], device.type)
-    transcriber = Transcriber(
-        loaded,
-        TranscribeOptions(
-            language=spec["language"],
-            timestamps=spec["timestamps"],
-            batch_size=spec["batch_size"],
-            max_new_tokens=spec["max_new_tokens"],
-            compile=compiled,
-            vad=spec.get("vad", True),
-            word_timestamps=spec.get("word_timestamps", False),
-        ),
-        timed=True,  # stages synchronise the device, so each one's time is its own
-    )
+    plan = loaded.model.plan
+    # Timed runs only: stages synchronise the device, so each one's time is its own.
+    transcriber = Transcriber(loaded, options, timed=True)
     engine = transcriber.engine
     clip = np.load(spec["clip"])
     source = ArraySource(clip, spec["n_samples"])
@@ -557,6 +559,8 @@ def measure(
         quantize=policy.quantize,
         engine=ran,
         engine_warmup=dataclasses.asdict(engine_before),
+        kernels=plan.report() if plan is not None else {},
+        kernels_summary=plan.summary() if plan is not None else "",
     )
 
 
@@ -707,6 +711,9 @@ def render_table(report: BenchReport) -> str:
         if with_ref:
             cells += _comparison_cells(r.comparison)
         lines.append("| " + " | ".join(cells) + " |")
+    for r in report.results:
+        if r.kernels_summary:
+            lines.append(f"\nkernels of {r.model} {r.dtype}: {r.kernels_summary}")
     for f in report.failures:
         lines.append(f"\nFAILED {f.model} {f.dtype}: {f.error}")
     return "\n".join(lines)

@@ -346,7 +346,8 @@ def evaluate(
     results: list[DtypeResult] = []
     for policy in policies:
         started = time.perf_counter()
-        loaded = load_model(model, policy)
+        # Every item's options share the shapes the kernel plan covers (the batch size).
+        loaded = load_model(model, policy, TranscribeOptions(batch_size=batch_size, vad=vad))
         load_s = time.perf_counter() - started
         model = loaded.name  # the default model of the device, when none was named
         if not results:  # the same model in every dtype: decide what it can score once
