@@ -97,12 +97,12 @@ class Policy:
     # segment_speech_seconds + n * segment_speech_per_token_seconds of speech, nor the next
     # one open past more than gap_speech_seconds of it (tiny.en closed a 7-token sentence
     # at its window's end, and the 22 s of speech after it were never written).
-    # scripts/calibrate_speech.py (spans; 127 inputs, 45 min: eSpeak word lists,
-    # sentences, paragraphs at a normal and a slow pace in 4 languages, in noise, and the
-    # demo sample), rule off: a real segment held 0.29 s of speech per text token at the
-    # median and 0.61 s at the 99th percentile; none held more than 1 s a token (the
-    # largest, a lone "Garden" at -20 dB: 0.93 s); a gap between segments held at most
-    # 0.51 s. With the limits below (about twice those), the rule changed no word there.
+    # scripts/calibrate_speech.py (spans; its English inputs with tiny.en, rule off: eSpeak
+    # word lists, sentences and paragraphs at a normal and a slow pace, 3 voices, clean,
+    # -20 dB and in noise, and the demo sample): a real segment held 0.29 s of speech a
+    # text token at the median and 0.61 s at the 99th percentile, never over 1 s a token
+    # (the largest, a lone "Garden" at -20 dB: 0.93 s); a gap between two segments held at
+    # most 0.51 s. The limits below are about twice that; the rule changed no word there.
     segment_speech_seconds: float = 2.0
     segment_speech_per_token_seconds: float = 1.0
     gap_speech_seconds: float = 1.0
