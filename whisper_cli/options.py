@@ -98,7 +98,7 @@ class Policy:
     # one open past more than gap_speech_seconds of it (tiny.en closed a 7-token sentence
     # at its window's end, and the 22 s of speech after it were never written).
     # scripts/calibrate_speech.py (spans, rule off; eSpeak word lists, sentences and
-    # paragraphs at a normal and a slow pace in English, French, German and Spanish, 5
+    # paragraphs at a normal and a slow pace in English, French, German and Spanish, 7
     # voices, clean, -20 dB and in noise, and the demo sample; tiny.en on the English
     # ones, base on all): a real segment held 0.26-0.29 s of speech a text token at the
     # median and 0.61 s at the 99th percentile, never over 1 s a token (the largest, a
