@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from util import real_model, shared_clip
 
+from whisper_cli.audio import SAMPLE_RATE
 from whisper_cli.errors import WhisperCliError
-from whisper_cli.features import SAMPLE_RATE
 from whisper_cli.tools import bench
 from whisper_cli.tools.bench import (
     BenchConfig,

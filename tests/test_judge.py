@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from util import real_tokenizer
 
+from whisper_cli.audio import SAMPLE_RATE
 from whisper_cli.decoding import DecodedRow
 from whisper_cli.judge import best, judge, needs_fallback
 from whisper_cli.options import Policy
-from whisper_cli.speech import FRAME_SECONDS, SAMPLE_RATE
+from whisper_cli.speech import FRAME_SECONDS
 from whisper_cli.tokenizer import Tokenizer
 from whisper_cli.windows import Window
 

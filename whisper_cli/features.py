@@ -13,7 +13,8 @@ import math
 import numpy as np
 import torch
 
-SAMPLE_RATE = 16000
+from whisper_cli.audio import SAMPLE_RATE
+
 N_FFT = 400
 HOP_LENGTH = 160
 CHUNK_SECONDS = 30

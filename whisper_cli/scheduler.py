@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from whisper_cli.audio import AudioSource
+from whisper_cli.audio import SAMPLE_RATE, AudioSource
 from whisper_cli.decoding import DecodedRow
 from whisper_cli.errors import InputError
-from whisper_cli.features import SAMPLE_RATE
 from whisper_cli.windows import Window, WindowCutter
 
 # Under a latency bound, inputs are read in blocks this long: the bound is checked as

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from whisper_cli.audio import SAMPLE_RATE
 from whisper_cli.errors import WhisperCliError
 
-SAMPLE_RATE = 16000
 FRAME_SAMPLES = 512  # one speech-map frame: 32 ms
 FRAME_SECONDS = FRAME_SAMPLES / SAMPLE_RATE
 CONTEXT_SAMPLES = 64  # each frame is scored with the 64 samples before it

@@ -37,8 +37,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from whisper_cli.audio import SAMPLE_RATE
 from whisper_cli.options import Policy
-from whisper_cli.speech import FRAME_SAMPLES, FRAME_SECONDS, SAMPLE_RATE, SileroVAD, SpeechStream
+from whisper_cli.speech import FRAME_SAMPLES, FRAME_SECONDS, SileroVAD, SpeechStream
 
 WINDOW_SECONDS = 30.0
 

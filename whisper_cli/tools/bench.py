@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from whisper_cli.allocator import keep_freed_memory
-from whisper_cli.audio import AudioInfo, AudioSource
+from whisper_cli.audio import SAMPLE_RATE, AudioInfo, AudioSource
 from whisper_cli.dtypes import check_quantize, expand_dtypes, resolve_device
 from whisper_cli.errors import InputError, WhisperCliError
-from whisper_cli.features import N_SAMPLES, SAMPLE_RATE
+from whisper_cli.features import N_SAMPLES
 from whisper_cli.options import (
     COMPILE_CHOICES,
     RunOptions,

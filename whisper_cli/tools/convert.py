@@ -35,9 +35,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from whisper_cli.audio import SAMPLE_RATE
 from whisper_cli.config import MAX_INITIAL_TIMESTAMP_INDEX, MULTILINGUAL_VOCAB_SIZE
 from whisper_cli.errors import WhisperCliError
-from whisper_cli.features import CHUNK_SECONDS, HOP_LENGTH, N_FFT, N_FRAMES, N_SAMPLES, SAMPLE_RATE
+from whisper_cli.features import CHUNK_SECONDS, HOP_LENGTH, N_FFT, N_FRAMES, N_SAMPLES
 
 MODEL_BIN = "model.bin"
 CT2_CONFIG = "config.json"

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from whisper_cli.audio import SAMPLE_RATE
 from whisper_cli.errors import WhisperCliError
-from whisper_cli.features import SAMPLE_RATE
 from whisper_cli.speech import load_detector
 from whisper_cli.tokenizer import Tokenizer
 from whisper_cli.windows import Window, cut_windows
