@@ -17,7 +17,7 @@ from whisper_cli.audio import SAMPLE_RATE
 
 N_FFT = 400
 HOP_LENGTH = 160
-CHUNK_SECONDS = 30
+CHUNK_SECONDS = 30  # the audio the model hears at once: windows.py cuts inputs to it
 N_SAMPLES = CHUNK_SECONDS * SAMPLE_RATE  # 480000 samples per window
 N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 mel frames per window
 

@@ -38,10 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from whisper_cli.audio import SAMPLE_RATE
+from whisper_cli.features import CHUNK_SECONDS
 from whisper_cli.options import Policy
 from whisper_cli.speech import FRAME_SAMPLES, FRAME_SECONDS, SileroVAD, SpeechStream
-
-WINDOW_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -92,7 +91,7 @@ class WindowCutter:
         *,
         vad: bool = True,
         source: int = 0,
-        max_seconds: float = WINDOW_SECONDS,
+        max_seconds: float = CHUNK_SECONDS,
         latency: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         waited: Callable[[], bool] = lambda: True,
