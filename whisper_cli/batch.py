@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.formats import SubtitleOptions, temp_files
 from whisper_cli.inputs import AUDIO_EXTENSIONS
+from whisper_cli.options import TASKS
 from whisper_cli.outputs import OutputPlan
 from whisper_cli.results import TranscriptWarning
 
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
     from whisper_cli.results import Transcript
 
 ENGINES = ("local", "ray")
-TASKS = ("transcribe", "translate")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 # An actor that dies (killed, out of host memory, a crash in native code) is restarted and
 # the batch it held is run again, this many times each; a batch that still fails is
@@ -240,7 +240,7 @@ def _jsonl_item(manifest: str, number: int, line: str) -> Item:
             raise WhisperCliError(f'{where}: "{name}" must be a string')
     task = entry.get("task")
     if task is not None and task not in TASKS:
-        raise WhisperCliError(f"{where}: invalid task {task!r}; choose transcribe or translate")
+        raise WhisperCliError(f"{where}: invalid task {task!r}; choose {' or '.join(TASKS)}")
     output = entry.get("output")
     if output is not None:
         output = _output_name(where, output)

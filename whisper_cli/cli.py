@@ -44,6 +44,7 @@ from whisper_cli.formats import SubtitleOptions
 from whisper_cli.options import (
     COMPILE_CHOICES,
     LIVE_LATENCY_SECONDS,
+    TASKS,
     Policy,
     RunOptions,
     TranscribeOptions,
@@ -114,9 +115,7 @@ class Dtype(str, Enum):
 Compile = Enum("Compile", {name: name for name in COMPILE_CHOICES}, type=str)
 
 
-class Task(str, Enum):
-    transcribe = "transcribe"
-    translate = "translate"
+Task = Enum("Task", {name: name for name in TASKS}, type=str)
 
 
 class Format(str, Enum):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.formats import SubtitleOptions
 
-TASKS = ("transcribe", "translate")
+TASKS = ("transcribe", "translate")  # translate: into English
 
 
 def default_model(device_type: str) -> str:
@@ -213,7 +213,7 @@ class TranscribeOptions:
 def check_options(options: TranscribeOptions) -> None:
     """Run-level checks that need no model (the CLI makes them before loading one)."""
     if options.task not in TASKS:
-        raise WhisperCliError(f"invalid task {options.task!r}; choose transcribe or translate")
+        raise WhisperCliError(f"invalid task {options.task!r}; choose {' or '.join(TASKS)}")
     if options.batch_size < 1:
         raise WhisperCliError("--batch-size must be at least 1")
     if options.max_new_tokens < 1:
