@@ -44,6 +44,7 @@ from whisper_cli.formats import SubtitleOptions
 from whisper_cli.options import (
     COMPILE_CHOICES,
     LIVE_LATENCY_SECONDS,
+    MAX_NEW_TOKENS,
     TASKS,
     Policy,
     RunOptions,
@@ -464,7 +465,7 @@ TRANSCRIPTION_OPTIONS: dict[str, tuple[Any, Any]] = {
     "multilingual": (MultilingualOpt, False),
     "task": (TaskOpt, Task.transcribe),
     "no_timestamps": (NoTimestampsOpt, False),
-    "max_new_tokens": (MaxNewTokensOpt, TranscribeOptions.max_new_tokens),
+    "max_new_tokens": (MaxNewTokensOpt, MAX_NEW_TOKENS),
     "initial_prompt": (InitialPromptOpt, None),
     "temperature": (TemperatureOpt, TEMPERATURES),
     "no_vad": (NoVadOpt, False),

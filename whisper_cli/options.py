@@ -17,6 +17,10 @@ from whisper_cli.formats import SubtitleOptions
 
 TASKS = ("transcribe", "translate")  # translate: into English
 
+# The most tokens a window decodes: half the decoder's text context (448 positions), as
+# openai-whisper does (its sample_len); the other half holds the prompt.
+MAX_NEW_TOKENS = 224
+
 
 def default_model(device_type: str) -> str:
     """The model of a run that names none: turbo on CUDA, base otherwise.
@@ -190,7 +194,7 @@ class TranscribeOptions:
     task: str = "transcribe"
     timestamps: bool = True
     batch_size: int = 16
-    max_new_tokens: int = 224
+    max_new_tokens: int = MAX_NEW_TOKENS
     initial_prompt: str | None = None
     channel: str | int | None = None
     compile: bool = False

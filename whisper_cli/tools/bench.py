@@ -46,8 +46,8 @@ from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.features import N_SAMPLES
 from whisper_cli.options import (
     COMPILE_CHOICES,
+    MAX_NEW_TOKENS,
     RunOptions,
-    TranscribeOptions,
     default_model,
     use_compile,
 )
@@ -81,7 +81,7 @@ class BenchConfig:
     batch_size: int = 16
     audio: str | None = None  # a file, or a .npy float32 16 kHz array; None: default speech
     duration: float | None = None  # tile (or cut) the audio to this many seconds
-    max_new_tokens: int = TranscribeOptions.max_new_tokens  # what transcribe decodes
+    max_new_tokens: int = MAX_NEW_TOKENS  # what transcribe decodes
     compile: str = "auto"  # auto: on for CUDA, off on CPU
     repeats: int = 3  # timed runs after the warm-up; the median is reported
     timestamps: bool = True
