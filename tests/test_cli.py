@@ -759,6 +759,22 @@ def test_contradictory_options_are_refused() -> None:
     usage_error(cli("transcribe", jfk(), "-m", tiny(), "-q", "-v"), "--quiet and --verbose")
 
 
+def test_vad_neg_threshold_is_the_policys_silero_rule() -> None:
+    """The end-of-speech threshold follows --vad-threshold by Silero's rule (0.15 below,
+    at least 0.01) in the policy itself: a library user gets what the CLI gets."""
+    from whisper_cli.cli import run_options
+    from whisper_cli.options import Policy
+
+    assert Policy().vad_neg_threshold == 0.35
+    assert Policy(vad_threshold=0.6).vad_neg_threshold == pytest.approx(0.45)
+    assert Policy(vad_threshold=0.1).vad_neg_threshold == 0.01
+    assert Policy(vad_threshold=0.6, vad_neg_threshold=0.5).vad_neg_threshold == 0.5
+    assert run_options({"vad_threshold": 0.6}).decoding.policy == Policy(vad_threshold=0.6)
+    assert run_options({}).decoding.policy == Policy()
+    with pytest.raises(ValueError, match="vad_neg_threshold <= vad_threshold"):
+        Policy(vad_threshold=0.005)
+
+
 def test_full_disk_is_a_clear_error() -> None:
     exe = shlex.join(whisper_cli_command())
     proc = shell(f"{exe} transcribe {shlex.quote(jfk())} -m {shlex.quote(tiny())} -q > /dev/full")

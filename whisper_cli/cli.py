@@ -593,7 +593,6 @@ def _policy(f: dict[str, Any]) -> Policy:
     try:
         return Policy(
             vad_threshold=f["vad_threshold"],
-            vad_neg_threshold=max(f["vad_threshold"] - 0.15, 0.01),  # Silero's own rule
             temperatures=temperatures,
             no_speech_threshold=f["no_speech_threshold"],
             logprob_threshold=f["logprob_threshold"],

@@ -39,15 +39,22 @@ def use_compile(choice: str, device_type: str) -> bool:
     return choice == "on" or (choice == "auto" and device_type == "cuda")
 
 
+def silero_neg_threshold(vad_threshold: float) -> float:
+    """Where speech ends for a start threshold, by Silero's rule (get_speech_timestamps)."""
+    return max(vad_threshold - 0.15, 0.01)
+
+
 @dataclass(frozen=True)
 class Policy:
     """Every threshold of a transcription (library: `TranscribeOptions(policy=Policy(...))`)."""
 
     # --- the speech map (Silero VAD 6.2, 32 ms frames) --------------------------------------
     # A frame starts speech at P >= vad_threshold and speech goes on while P stays at or
-    # above vad_neg_threshold (hysteresis). Silero's defaults (0.5, and threshold - 0.15).
+    # above vad_neg_threshold (hysteresis). Silero's defaults: 0.5, and for the second
+    # its own rule, silero_neg_threshold(vad_threshold), which None (the default) takes.
+    # dataclasses.replace keeps a derived value: give None with a new vad_threshold.
     vad_threshold: float = 0.5
-    vad_neg_threshold: float = 0.35
+    vad_neg_threshold: float | None = None
     # Speech shorter than this is a click or a breath, not a word: Silero's default
     # min_speech_duration_ms (250) ...
     min_speech_seconds: float = 0.25
@@ -136,6 +143,9 @@ class Policy:
     min_loop_span: int = 32
 
     def __post_init__(self) -> None:
+        if self.vad_neg_threshold is None:
+            neg = silero_neg_threshold(self.vad_threshold)
+            object.__setattr__(self, "vad_neg_threshold", neg)
         if not 0.0 < self.vad_neg_threshold <= self.vad_threshold < 1.0:
             raise ValueError("need 0 < vad_neg_threshold <= vad_threshold < 1")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
