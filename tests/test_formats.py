@@ -1,4 +1,4 @@
-"""Behaviour of the output formats and the atomic writer.
+"""Behaviour of the output formats.
 
 The SRT and WebVTT checks go through small strict parsers so that a structural slip
 (numbering, timestamp syntax, blank lines, escaping) fails here and not in a player.
@@ -7,17 +7,13 @@ The SRT and WebVTT checks go through small strict parsers so that a structural s
 from __future__ import annotations
 
 import json
-import os
 import re
-import stat
-from pathlib import Path
 
 import pytest
 from util import jsonl_records
 
-from whisper_cli import formats
 from whisper_cli.errors import WhisperCliError
-from whisper_cli.formats import FORMATS, output_path, render, write_atomic
+from whisper_cli.formats import FORMATS, render
 from whisper_cli.results import Segment, Transcript
 
 # --- strict parsers ------------------------------------------------------------------------
@@ -376,7 +372,10 @@ def test_txt_without_segments_falls_back_to_text() -> None:
     assert render(make_transcript(text=" just text "), "txt") == "just text\n"
 
 
-# --- format names and paths ----------------------------------------------------------------
+# --- format names -------------------------------------------------------------------------
+
+
+UNKNOWN_FORMATS = ["pdf", "SRT", "", ".srt"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -384,111 +383,10 @@ def test_every_format_renders(fmt: str) -> None:
     assert isinstance(render(SAMPLE, fmt), str)
 
 
-@pytest.mark.parametrize("fmt", ["pdf", "SRT", "", ".srt"])
+@pytest.mark.parametrize("fmt", UNKNOWN_FORMATS)
 def test_unknown_format_is_a_usage_error(fmt: str) -> None:
-    for call in (lambda: render(SAMPLE, fmt), lambda: output_path(Path("out"), "a.wav", fmt)):
-        with pytest.raises(WhisperCliError) as info:
-            call()
-        assert info.value.exit_code == 2
-        for name in FORMATS:
-            assert name in info.value.message
-
-
-def test_output_path() -> None:
-    out = Path("out")
-    assert output_path(out, "talks/keynote.wav", "srt") == out / "keynote.srt"
-    assert output_path(out, "/abs/x.tar.gz", "json") == out / "x.tar.json"
-    assert output_path(out, "noext", "txt") == out / "noext.txt"
-    assert output_path(out, "-", "vtt") == out / "stdin.vtt"
-
-
-# --- write_atomic --------------------------------------------------------------------------
-
-
-def _names(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir())
-
-
-def test_write_atomic_writes_utf8_and_creates_parents(tmp_path: Path) -> None:
-    target = tmp_path / "a" / "b" / "out.txt"
-    write_atomic(target, "héllo ✓\nline\n")
-    assert target.read_bytes() == "héllo ✓\nline\n".encode()
-    assert _names(target.parent) == ["out.txt"]
-
-
-def test_write_atomic_replaces_and_keeps_mode(tmp_path: Path) -> None:
-    target = tmp_path / "out.txt"
-    target.write_text("old")
-    target.chmod(0o640)
-    write_atomic(target, "new")
-    assert target.read_text() == "new"
-    assert stat.S_IMODE(target.stat().st_mode) == 0o640
-    assert _names(tmp_path) == ["out.txt"]
-
-
-def test_write_atomic_new_file_gets_umask_mode(tmp_path: Path) -> None:
-    old = os.umask(0o022)
-    try:
-        write_atomic(tmp_path / "out.txt", "x")
-    finally:
-        os.umask(old)
-    assert stat.S_IMODE((tmp_path / "out.txt").stat().st_mode) == 0o644
-
-
-def test_write_atomic_target_appears_only_complete(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    target = tmp_path / "out.srt"
-    target.write_text("old")
-    content = "x" * 1_000_000
-    real_replace = os.replace
-    seen: list[str] = []
-
-    def checking_replace(src: str, dst: Path) -> None:
-        # Just before the swap: the temp file is whole and the target still the old one.
-        name = Path(src).name
-        assert name.startswith(".") and name.endswith(".tmp")
-        assert Path(src).parent == tmp_path
-        assert Path(src).read_text() == content
-        assert target.read_text() == "old"
-        seen.append(name)
-        real_replace(src, dst)
-
-    monkeypatch.setattr(formats.os, "replace", checking_replace)
-    write_atomic(target, content)
-    assert seen
-    assert target.read_text() == content
-    assert _names(tmp_path) == ["out.srt"]
-
-
-@pytest.mark.parametrize("error", [OSError("disk full"), KeyboardInterrupt()])
-@pytest.mark.parametrize("step", ["replace", "fsync"])
-def test_write_atomic_failure_leaves_no_trace(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: str, error: BaseException
-) -> None:
-    target = tmp_path / "out.txt"
-    target.write_text("old")
-
-    def fail(*args: object) -> None:
-        raise error
-
-    monkeypatch.setattr(formats.os, step, fail)
-    with pytest.raises(type(error)):
-        write_atomic(target, "new content")
-    assert target.read_text() == "old"
-    assert _names(tmp_path) == ["out.txt"]
-
-
-def test_write_atomic_failure_mid_write_leaves_no_partial_file(tmp_path: Path) -> None:
-    # A lone surrogate cannot be encoded as UTF-8, so the write fails after the
-    # first megabyte has gone to the temp file.
-    target = tmp_path / "out.txt"
-    with pytest.raises(UnicodeEncodeError):
-        write_atomic(target, "a" * 1_000_000 + "\ud800")
-    assert _names(tmp_path) == []
-
-    target.write_text("old")
-    with pytest.raises(UnicodeEncodeError):
-        write_atomic(target, "a" * 1_000_000 + "\ud800")
-    assert target.read_text() == "old"
-    assert _names(tmp_path) == ["out.txt"]
+    with pytest.raises(WhisperCliError) as info:
+        render(SAMPLE, fmt)
+    assert info.value.exit_code == 2
+    for name in FORMATS:
+        assert name in info.value.message

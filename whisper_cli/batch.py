@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from whisper_cli.errors import InputError, WhisperCliError
-from whisper_cli.formats import SubtitleOptions, temp_files
+from whisper_cli.formats import SubtitleOptions
 from whisper_cli.inputs import AUDIO_EXTENSIONS
 from whisper_cli.options import TASKS
-from whisper_cli.outputs import OutputPlan
+from whisper_cli.outputs import OutputPlan, temp_files, write_atomic
 from whisper_cli.results import TranscriptWarning
 
 if TYPE_CHECKING:
@@ -411,8 +411,6 @@ def _read_summary(path: Path) -> dict[str, Record]:
 
 
 def _write_summary(path: Path, records: Iterable[Record]) -> None:
-    from whisper_cli.formats import write_atomic
-
     try:
         write_atomic(path, "".join(r.to_json() + "\n" for r in records))
     except OSError as exc:

@@ -1,18 +1,15 @@
-"""Render transcripts as txt, json, jsonl, srt, vtt or tsv, and write them atomically."""
+"""Render transcripts as txt, json, jsonl, srt, vtt or tsv: text from a transcript,
+nothing written (outputs.py puts it on stdout or in files).
+"""
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import json
 import math
-import os
 import re
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from whisper_cli.errors import EXIT_USAGE, WhisperCliError
@@ -85,106 +82,14 @@ def render_chunks(
     return _RENDERERS[_check_format(fmt)](transcript, subtitles or SubtitleOptions(), final)
 
 
-def output_path(out_dir: Path, input_path: str, fmt: str) -> Path:
-    """Where the ``fmt`` output for ``input_path`` goes: ``out_dir/<stem>.<fmt>``."""
-    return Path(out_dir) / f"{output_stem(input_path)}.{_check_format(fmt)}"
-
-
-def output_stem(input_path: str) -> str:
-    """The name of an input's outputs, before the format's extension."""
-    # A bare "/" or "." has no stem; name such outputs like stdin rather than ".txt".
-    return "stdin" if input_path == "-" else Path(input_path).stem or "stdin"
-
-
-def write_atomic(path: Path, content: str) -> None:
-    """Write ``content`` (UTF-8) to ``path`` so readers only ever see the old or the whole new file.
-
-    On any failure, Ctrl-C included, the temp file is removed and an existing target is
-    left as it was.
-    """
-    out = AtomicFile(path)
-    try:
-        out.write(content)
-        out.commit()
-    except BaseException:
-        out.discard()
-        raise
-
-
-class AtomicFile:
-    """A file written piece by piece into a temp file beside ``path``, which becomes
-    ``path`` at `commit` (readers see the old file or the whole new one, never a part);
-    `discard` removes it, leaving an existing target as it was.
-
-    The temp file lives in the target's directory because ``os.replace`` is only atomic
-    within one filesystem.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._mode = _target_mode(self.path)
-        self._file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed by commit/discard
-            "w",
-            encoding="utf-8",
-            newline="",  # keep "\n" as rendered on every platform
-            dir=self.path.parent,
-            prefix=f".{self.path.name}.",
-            suffix=".tmp",
-            delete=False,
-        )
-
-    def write(self, text: str) -> None:
-        self._file.write(text)
-
-    def commit(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        # NamedTemporaryFile creates 0600; give the output the mode a plain open() would.
-        os.chmod(self._file.name, self._mode)
-        os.replace(self._file.name, self.path)
-
-    def discard(self) -> None:
-        # Best effort: a failed unlink must not hide the error that led here.
-        with contextlib.suppress(OSError):
-            self._file.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self._file.name)
-
-
-def temp_files(path: Path) -> list[Path]:
-    """Temp files of ``write_atomic(path, ...)`` left by a process killed while writing."""
-    path = Path(path)
-    return sorted(path.parent.glob(f"{glob.escape('.' + path.name)}.*.tmp"))
-
-
-# --- format checks and file helpers -------------------------------------------------------
-
-
 def _check_format(fmt: str) -> str:
+    """``fmt`` if it is one format (a usage error naming them otherwise)."""
     if fmt not in FORMATS:
         raise WhisperCliError(
             f"unknown output format {fmt!r}; choose from: {', '.join(FORMATS)}",
             exit_code=EXIT_USAGE,
         )
     return fmt
-
-
-def _target_mode(path: Path) -> int:
-    """Keep an existing file's permissions; otherwise use the umask default (like open())."""
-    try:
-        return path.stat().st_mode & 0o7777
-    except FileNotFoundError:
-        return 0o666 & ~_current_umask()
-
-
-def _current_umask() -> int:
-    # The umask can only be read by setting it. Set the strictest value meanwhile so a
-    # file another thread creates in that instant is never more open than intended.
-    mask = os.umask(0o077)
-    os.umask(mask)
-    return mask
 
 
 # --- times and text ------------------------------------------------------------------------

@@ -5,12 +5,16 @@ pipeline says they are final, to stdout at once (inputs one after another, in th
 given: a later input's text waits for the one before it to end) or into temp files that
 become the outputs when their input ends. What streams is, piece for piece, what the
 whole transcript renders to (formats.render_chunks); json, one document, comes at the end.
+
+Every file is written atomically (AtomicFile, write_atomic): readers, and a run that
+resumes, see an output whole or not at all, with the mode a plain open() would give it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
 import tempfile
 from collections.abc import Callable, Mapping
@@ -19,13 +23,7 @@ from pathlib import Path, PurePath
 from typing import TextIO
 
 from whisper_cli.errors import WhisperCliError
-from whisper_cli.formats import (
-    FORMATS,
-    AtomicFile,
-    SubtitleOptions,
-    output_stem,
-    render_chunks,
-)
+from whisper_cli.formats import FORMATS, SubtitleOptions, render_chunks
 from whisper_cli.inputs import InputFile
 from whisper_cli.results import Segment, Transcript
 
@@ -272,3 +270,91 @@ class OutputStream:
                 return
             self._order.pop(0)
             del self._open[path]
+
+
+# --- names and atomic files ----------------------------------------------------------------
+
+
+def output_stem(input_path: str) -> str:
+    """The name of an input's outputs, before the format's extension."""
+    # A bare "/" or "." has no stem; name such outputs like stdin rather than ".txt".
+    return "stdin" if input_path == "-" else Path(input_path).stem or "stdin"
+
+
+def write_atomic(path: Path, content: str) -> None:
+    """Write ``content`` (UTF-8) to ``path`` so readers only ever see the old or the whole new file.
+
+    On any failure, Ctrl-C included, the temp file is removed and an existing target is
+    left as it was.
+    """
+    out = AtomicFile(path)
+    try:
+        out.write(content)
+        out.commit()
+    except BaseException:
+        out.discard()
+        raise
+
+
+class AtomicFile:
+    """A file written piece by piece into a temp file beside ``path``, which becomes
+    ``path`` at `commit` (readers see the old file or the whole new one, never a part);
+    `discard` removes it, leaving an existing target as it was.
+
+    The temp file lives in the target's directory because ``os.replace`` is only atomic
+    within one filesystem.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._mode = _target_mode(self.path)
+        self._file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed by commit/discard
+            "w",
+            encoding="utf-8",
+            newline="",  # keep "\n" as rendered on every platform
+            dir=self.path.parent,
+            prefix=f".{self.path.name}.",
+            suffix=".tmp",
+            delete=False,
+        )
+
+    def write(self, text: str) -> None:
+        self._file.write(text)
+
+    def commit(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        # NamedTemporaryFile creates 0600; give the output the mode a plain open() would.
+        os.chmod(self._file.name, self._mode)
+        os.replace(self._file.name, self.path)
+
+    def discard(self) -> None:
+        # Best effort: a failed unlink must not hide the error that led here.
+        with contextlib.suppress(OSError):
+            self._file.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self._file.name)
+
+
+def temp_files(path: Path) -> list[Path]:
+    """Temp files of ``write_atomic(path, ...)`` left by a process killed while writing."""
+    path = Path(path)
+    return sorted(path.parent.glob(f"{glob.escape('.' + path.name)}.*.tmp"))
+
+
+def _target_mode(path: Path) -> int:
+    """Keep an existing file's permissions; otherwise use the umask default (like open())."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        return 0o666 & ~_current_umask()
+
+
+def _current_umask() -> int:
+    # The umask can only be read by setting it. Set the strictest value meanwhile so a
+    # file another thread creates in that instant is never more open than intended.
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
