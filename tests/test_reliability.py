@@ -23,9 +23,9 @@ import soundfile as sf
 from util import REPO, real_model, shared_clip
 
 from whisper_cli.errors import WhisperCliError
+from whisper_cli.formats import FORMATS
 
 RATE = 16000
-FORMATS = ("txt", "json", "jsonl", "srt", "vtt", "tsv")
 JFK_WORDS = (
     "and so my fellow americans ask not what your country can do for you "
     "ask what you can do for your country"

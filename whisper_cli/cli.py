@@ -40,7 +40,7 @@ from whisper_cli.errors import (
     WhisperCliError,
     WhisperCliWarning,
 )
-from whisper_cli.formats import SubtitleOptions
+from whisper_cli.formats import FORMAT_CHOICES, SubtitleOptions
 from whisper_cli.options import (
     COMPILE_CHOICES,
     LIVE_LATENCY_SECONDS,
@@ -119,14 +119,7 @@ Compile = Enum("Compile", {name: name for name in COMPILE_CHOICES}, type=str)
 Task = Enum("Task", {name: name for name in TASKS}, type=str)
 
 
-class Format(str, Enum):
-    txt = "txt"
-    json = "json"
-    jsonl = "jsonl"
-    srt = "srt"
-    vtt = "vtt"
-    tsv = "tsv"
-    all = "all"
+Format = Enum("Format", {name: name for name in FORMAT_CHOICES}, type=str)
 
 
 # --- options: one alias each, shared by every command that takes them --------------------

@@ -1,5 +1,8 @@
 """Render transcripts as txt, json, jsonl, srt, vtt or tsv: text from a transcript,
 nothing written (outputs.py puts it on stdout or in files).
+
+The registry at the end (_RENDERERS) is the one list of formats: FORMATS, --format's
+choices (FORMAT_CHOICES) and every check of a format's name are read from it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 from whisper_cli.errors import EXIT_USAGE, WhisperCliError
 from whisper_cli.results import Segment, Transcript, Word
 
-FORMATS = ("txt", "json", "jsonl", "srt", "vtt", "tsv")
+ALL = "all"  # --format all: every format
 
 _TIME_DECIMALS = 3  # millisecond resolution, the same as the subtitle formats
 _SCORE_DECIMALS = 4  # log-probs, probabilities and ratios: enough to compare runs
@@ -80,6 +83,19 @@ def render_chunks(
     json, one document, has no piece before the end.
     """
     return _RENDERERS[_check_format(fmt)](transcript, subtitles or SubtitleOptions(), final)
+
+
+def formats_of(choice: str) -> tuple[str, ...]:
+    """The formats a --format choice writes: every one for "all", else the one it names
+    (a usage error where it names none)."""
+    if choice == ALL:
+        return FORMATS
+    if choice not in FORMATS:
+        raise WhisperCliError(
+            f"invalid format {choice!r}; choose one of {', '.join(FORMATS)} or {ALL}",
+            exit_code=EXIT_USAGE,
+        )
+    return (choice,)
 
 
 def _check_format(fmt: str) -> str:
@@ -357,6 +373,7 @@ def _render_jsonl(transcript: Transcript, _: SubtitleOptions, final: bool) -> li
     return lines
 
 
+# The registry of formats, in the order `--format all` writes them.
 _RENDERERS: dict[str, Callable[[Transcript, SubtitleOptions, bool], list[str]]] = {
     "txt": _render_txt,
     "json": _render_json,
@@ -365,3 +382,5 @@ _RENDERERS: dict[str, Callable[[Transcript, SubtitleOptions, bool], list[str]]] 
     "vtt": _render_vtt,
     "tsv": _render_tsv,
 }
+FORMATS = tuple(_RENDERERS)
+FORMAT_CHOICES = (*FORMATS, ALL)  # what --format takes

@@ -254,7 +254,7 @@ class RunOptions:
     device: str = "auto"
     compile: str = "auto"  # one of COMPILE_CHOICES
     decoding: TranscribeOptions = TranscribeOptions()
-    fmt: str = "txt"  # one format of formats.FORMATS, or "all"
+    fmt: str = "txt"  # one of formats.FORMAT_CHOICES: a format, or "all"
     subtitles: SubtitleOptions = dataclasses.field(default_factory=SubtitleOptions)
 
     def check(self) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path, PurePath
 from typing import TextIO
 
 from whisper_cli.errors import WhisperCliError
-from whisper_cli.formats import FORMATS, SubtitleOptions, render_chunks
+from whisper_cli.formats import ALL, SubtitleOptions, formats_of, render_chunks
 from whisper_cli.inputs import InputFile
 from whisper_cli.results import Segment, Transcript
 
@@ -58,15 +58,11 @@ class OutputPlan:
         ``n_inputs`` counts every input argument, also those that already failed.
         ``names``: outputs the caller names (input path -> relative name, no extension).
         """
-        formats = FORMATS if fmt == "all" else (fmt,)
-        if fmt != "all" and fmt not in FORMATS:
-            raise WhisperCliError(
-                f"invalid format {fmt!r}; choose one of {', '.join(FORMATS)} or all"
-            )
+        formats = formats_of(fmt)
         if output_dir is not None and output_dir.exists() and not output_dir.is_dir():
             raise WhisperCliError(f"--output-dir {output_dir} exists and is not a directory")
         if output_dir is None:
-            if fmt == "all":
+            if fmt == ALL:
                 raise WhisperCliError("--format all writes several files: give --output-dir")
             if n_inputs > 1 and fmt not in STREAMABLE:
                 raise WhisperCliError(
