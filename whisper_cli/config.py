@@ -8,11 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from whisper_cli.errors import WhisperCliError
+from whisper_cli.tokenizer import TIME_PRECISION
 
 # English-only vocabularies have 51864 tokens, multilingual ones 51865 (51866 from large-v3).
 MULTILINGUAL_VOCAB_SIZE = 51865
-# openai-whisper's first timestamp of a window at most 1.0 s in: 1.0 / 0.02 s per step.
-MAX_INITIAL_TIMESTAMP_INDEX = 50
+# A window's first timestamp is at most this far in (openai-whisper's
+# max_initial_timestamp, in seconds), and as a timestamp token's index (50).
+MAX_INITIAL_TIMESTAMP = 1.0
+MAX_INITIAL_TIMESTAMP_INDEX = round(MAX_INITIAL_TIMESTAMP / TIME_PRECISION)
 
 
 def read_json(path: Path) -> dict[str, Any]:
