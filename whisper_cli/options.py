@@ -106,8 +106,9 @@ class Policy:
     end_slack_seconds: float = 0.5
     # The no-skip rule: a segment of n text tokens may not close past more than
     # segment_speech_seconds + n * segment_speech_per_token_seconds of speech, nor the next
-    # one open past more than gap_speech_seconds of it (tiny.en closed a 7-token sentence
-    # at its window's end, and the 22 s of speech after it were never written).
+    # one open past more than gap_speech_seconds of it: speech a timestamp passes over is
+    # never written (unbounded, tiny.en closes a 7-token sentence at its window's end and
+    # skips the 22 s of speech after it).
     # scripts/calibrate_speech.py (spans, rule off; eSpeak word lists, sentences and
     # paragraphs at a normal and a slow pace in English, French, German and Spanish, 7
     # voices, clean, -20 dB and in noise, and the demo sample; tiny.en on the English
