@@ -710,13 +710,10 @@ def _decode_soundfile(
     try:
         with opener() as fobj, _open_soundfile(fobj, chatter) as f:
             rate = f.samplerate
-            while True:
-                with chatter.capture():
-                    block = f.read(read_frames, dtype="float32", always_2d=True)
-                if not len(block):
-                    return
+            for block in _soundfile_blocks(f, read_frames, chatter):
                 done += len(block)
                 yield block
+            return
     except sf.SoundFileError as e:
         if not truncated:
             raise _DecodeError(f"{_soundfile_problem(e)[0]} after {done / rate:.1f} s") from e
@@ -724,19 +721,24 @@ def _decode_soundfile(
     with opener() as fobj, _open_soundfile(fobj, chatter) as f:
         f.seek(done)
         with contextlib.suppress(sf.SoundFileError):
-            while True:
-                with chatter.capture():
-                    block = f.read(_PROBE_FRAMES, dtype="float32", always_2d=True)
-                if not len(block):
-                    break
-                done += len(block)
-                yield block
+            yield from _soundfile_blocks(f, _PROBE_FRAMES, chatter)
     tally.ended_early = True
 
 
 def _open_soundfile(fobj: BinaryIO, chatter: _Chatter) -> sf.SoundFile:
     with chatter.capture():  # libmpg123 speaks when it reads the header
         return sf.SoundFile(fobj)
+
+
+def _soundfile_blocks(f: sf.SoundFile, frames: int, chatter: _Chatter) -> Iterator[np.ndarray]:
+    """Blocks of up to ``frames`` frames from where ``f`` is to its end (what the
+    decoder says while reading goes to ``chatter``)."""
+    while True:
+        with chatter.capture():
+            block = f.read(frames, dtype="float32", always_2d=True)
+        if not len(block):
+            return
+        yield block
 
 
 def _decode_av(
