@@ -131,6 +131,18 @@ PANEL_GUARDS = "Guards (what is dropped as silence or repetition)"
 PANEL_PERFORMANCE = "Performance"
 PANEL_MESSAGES = "Messages"
 
+
+def _flag(*names: str, help: str, panel: str) -> Any:
+    """A flag that only turns something on (`--name`, no `--no-name`), shown in --help
+    without a `<bool>` placeholder (metavar "", with _NoFlagPlaceholder for --help)."""
+    return Annotated[bool, typer.Option(*names, metavar="", help=help, rich_help_panel=panel)]
+
+
+def _count(kind: Any, *, help: str, panel: str) -> Any:
+    """An option that takes a count N >= 1 (typer refuses less)."""
+    return Annotated[kind, typer.Option(min=1, metavar="N", help=help, rich_help_panel=panel)]
+
+
 InputsArg = Annotated[
     list[str],
     typer.Argument(
@@ -189,39 +201,27 @@ LanguageOpt = Annotated[
         rich_help_panel=PANEL_DECODING,
     ),
 ]
-MultilingualOpt = Annotated[
-    bool,
-    typer.Option(
-        "--multilingual",
-        metavar="",
-        help="Detect the language of every 30 s window, not once per file "
-        "(multilingual models; not with --language).",
-        rich_help_panel=PANEL_DECODING,
-    ),
-]
+MultilingualOpt = _flag(
+    "--multilingual",
+    help="Detect the language of every 30 s window, not once per file "
+    "(multilingual models; not with --language).",
+    panel=PANEL_DECODING,
+)
 TaskOpt = Annotated[
     Task,
     typer.Option(help="transcribe, or translate to English.", rich_help_panel=PANEL_DECODING),
 ]
-NoTimestampsOpt = Annotated[
-    bool,
-    typer.Option(
-        "--no-timestamps",
-        metavar="",
-        help="Decode without timestamps: faster, but drops whole utterances from "
-        "independent windows (measured: 21-30% of words lost).",
-        rich_help_panel=PANEL_DECODING,
-    ),
-]
-MaxNewTokensOpt = Annotated[
+NoTimestampsOpt = _flag(
+    "--no-timestamps",
+    help="Decode without timestamps: faster, but drops whole utterances from "
+    "independent windows (measured: 21-30% of words lost).",
+    panel=PANEL_DECODING,
+)
+MaxNewTokensOpt = _count(
     int,
-    typer.Option(
-        min=1,
-        metavar="N",
-        help="Most tokens decoded per 30 s window (a warning says when text was cut).",
-        rich_help_panel=PANEL_DECODING,
-    ),
-]
+    help="Most tokens decoded per 30 s window (a warning says when text was cut).",
+    panel=PANEL_DECODING,
+)
 InitialPromptOpt = Annotated[
     str | None,
     typer.Option(
@@ -258,80 +258,42 @@ OutputDirOpt = Annotated[
         rich_help_panel=PANEL_IO,
     ),
 ]
-RecursiveOpt = Annotated[
-    bool,
-    typer.Option(
-        "--recursive",
-        "-r",
-        metavar="",
-        help="Also read the subdirectories of directory inputs.",
-        rich_help_panel=PANEL_IO,
-    ),
-]
-SkipExistingOpt = Annotated[
-    bool,
-    typer.Option(
-        "--skip-existing",
-        metavar="",
-        help="Skip inputs whose outputs exist in --output-dir (resume a run).",
-        rich_help_panel=PANEL_IO,
-    ),
-]
-WordTimestampsOpt = Annotated[
-    bool,
-    typer.Option(
-        "--word-timestamps",
-        metavar="",
-        help="Time every word (json/jsonl 'words'; word-timed subtitle cues).",
-        rich_help_panel=PANEL_IO,
-    ),
-]
-MaxLineWidthOpt = Annotated[
-    int | None,
-    typer.Option(
-        min=1,
-        metavar="N",
-        help="Subtitles: characters per line (needs --word-timestamps).",
-        rich_help_panel=PANEL_IO,
-    ),
-]
-MaxLineCountOpt = Annotated[
-    int | None,
-    typer.Option(
-        min=1,
-        metavar="N",
-        help="Subtitles: lines per cue, with --max-line-width.",
-        rich_help_panel=PANEL_IO,
-    ),
-]
-MaxWordsPerLineOpt = Annotated[
-    int | None,
-    typer.Option(
-        min=1,
-        metavar="N",
-        help="Subtitles: words per cue (no effect with --max-line-width).",
-        rich_help_panel=PANEL_IO,
-    ),
-]
-HighlightWordsOpt = Annotated[
-    bool,
-    typer.Option(
-        "--highlight-words",
-        metavar="",
-        help="srt/vtt: underline each word as it is spoken.",
-        rich_help_panel=PANEL_IO,
-    ),
-]
-NoVadOpt = Annotated[
-    bool,
-    typer.Option(
-        "--no-vad",
-        metavar="",
-        help="Decode every window, also where the speech detector (Silero VAD, on by "
-        "default) hears no speech: for audio that defeats the detector.",
-        rich_help_panel=PANEL_GUARDS,
-    ),
-]
+RecursiveOpt = _flag(
+    "--recursive",
+    "-r",
+    help="Also read the subdirectories of directory inputs.",
+    panel=PANEL_IO,
+)
+SkipExistingOpt = _flag(
+    "--skip-existing",
+    help="Skip inputs whose outputs exist in --output-dir (resume a run).",
+    panel=PANEL_IO,
+)
+WordTimestampsOpt = _flag(
+    "--word-timestamps",
+    help="Time every word (json/jsonl 'words'; word-timed subtitle cues).",
+    panel=PANEL_IO,
+)
+MaxLineWidthOpt = _count(
+    int | None, help="Subtitles: characters per line (needs --word-timestamps).", panel=PANEL_IO
+)
+MaxLineCountOpt = _count(
+    int | None, help="Subtitles: lines per cue, with --max-line-width.", panel=PANEL_IO
+)
+MaxWordsPerLineOpt = _count(
+    int | None, help="Subtitles: words per cue (no effect with --max-line-width).", panel=PANEL_IO
+)
+HighlightWordsOpt = _flag(
+    "--highlight-words",
+    help="srt/vtt: underline each word as it is spoken.",
+    panel=PANEL_IO,
+)
+NoVadOpt = _flag(
+    "--no-vad",
+    help="Decode every window, also where the speech detector (Silero VAD, on by "
+    "default) hears no speech: for audio that defeats the detector.",
+    panel=PANEL_GUARDS,
+)
 VadThresholdOpt = Annotated[
     float,
     typer.Option(
@@ -375,12 +337,7 @@ CompressionRatioThresholdOpt = Annotated[
         rich_help_panel=PANEL_GUARDS,
     ),
 ]
-BatchSizeOpt = Annotated[
-    int,
-    typer.Option(
-        min=1, metavar="N", help="Windows decoded together.", rich_help_panel=PANEL_PERFORMANCE
-    ),
-]
+BatchSizeOpt = _count(int, help="Windows decoded together.", panel=PANEL_PERFORMANCE)
 LatencyOpt = Annotated[
     str,
     typer.Option(
@@ -391,30 +348,19 @@ LatencyOpt = Annotated[
         rich_help_panel=PANEL_PERFORMANCE,
     ),
 ]
-QuietOpt = Annotated[
-    bool,
-    typer.Option(
-        "--quiet",
-        "-q",
-        metavar="",
-        help="Nothing on stderr but errors: no progress, logs or warnings.",
-        rich_help_panel=PANEL_MESSAGES,
-    ),
-]
-VerboseOpt = Annotated[
-    bool,
-    typer.Option(
-        "--verbose",
-        "-v",
-        metavar="",
-        help="Also print each segment, and what the audio decoders said.",
-        rich_help_panel=PANEL_MESSAGES,
-    ),
-]
-DebugOpt = Annotated[
-    bool,
-    typer.Option("--debug", metavar="", help="Show tracebacks.", rich_help_panel=PANEL_MESSAGES),
-]
+QuietOpt = _flag(
+    "--quiet",
+    "-q",
+    help="Nothing on stderr but errors: no progress, logs or warnings.",
+    panel=PANEL_MESSAGES,
+)
+VerboseOpt = _flag(
+    "--verbose",
+    "-v",
+    help="Also print each segment, and what the audio decoders said.",
+    panel=PANEL_MESSAGES,
+)
+DebugOpt = _flag("--debug", help="Show tracebacks.", panel=PANEL_MESSAGES)
 
 TRANSCRIBE_EXAMPLES = """[bold]Examples[/bold]
 
