@@ -34,6 +34,12 @@ def default_model(device_type: str) -> str:
 COMPILE_CHOICES = ("auto", "on", "off")
 
 
+def check_compile(choice: str) -> None:
+    """`--compile`'s value is one of COMPILE_CHOICES (a usage error otherwise)."""
+    if choice not in COMPILE_CHOICES:
+        raise WhisperCliError(f"invalid --compile {choice!r}; choose auto, on or off")
+
+
 def use_compile(choice: str, device_type: str) -> bool:
     """`--compile auto|on|off` on a device: auto compiles the decode step on CUDA only."""
     return choice == "on" or (choice == "auto" and device_type == "cuda")
@@ -226,7 +232,7 @@ class TranscribeOptions:
 
 
 def check_options(options: TranscribeOptions) -> None:
-    """Run-level checks that need no model (the CLI makes them before loading one)."""
+    """Run-level checks that need no model (the CLI and bench make them before loading one)."""
     if options.task not in TASKS:
         raise WhisperCliError(f"invalid task {options.task!r}; choose {' or '.join(TASKS)}")
     if options.batch_size < 1:
@@ -260,8 +266,7 @@ class RunOptions:
 
     def check(self) -> None:
         """Everything that can be refused without a model (a WhisperCliError)."""
-        if self.compile not in COMPILE_CHOICES:
-            raise WhisperCliError(f"invalid --compile {self.compile!r}; choose auto, on or off")
+        check_compile(self.compile)
         check_options(self.decoding)
         self.subtitles.check(self.decoding.word_timestamps)
 

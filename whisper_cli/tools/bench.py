@@ -45,9 +45,11 @@ from whisper_cli.dtypes import check_quantize, expand_dtypes, resolve_device
 from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.features import N_SAMPLES
 from whisper_cli.options import (
-    COMPILE_CHOICES,
     MAX_NEW_TOKENS,
     RunOptions,
+    TranscribeOptions,
+    check_compile,
+    check_options,
     default_model,
     use_compile,
 )
@@ -207,18 +209,19 @@ def validate(config: BenchConfig) -> None:
     """Run-level checks, before any child starts."""
     expand_dtypes(config.dtypes)
     check_quantize(config.quantize, resolve_device(config.device))
-    if config.batch_size < 1:
-        raise WhisperCliError("--batch-size must be at least 1")
+    check_compile(config.compile)
+    decoding = TranscribeOptions(
+        language=config.language,
+        batch_size=config.batch_size,
+        max_new_tokens=config.max_new_tokens,
+    )
+    check_options(decoding)  # the checks transcribe makes of what bench decodes with
     if config.repeats < 1:
         raise WhisperCliError("--repeats must be at least 1")
     if config.threads is not None and config.threads < 1:
         raise WhisperCliError("--threads must be at least 1")
-    if config.max_new_tokens < 1:
-        raise WhisperCliError("--max-new-tokens must be at least 1")
     if config.duration is not None and config.duration <= 0:
         raise WhisperCliError("--duration must be positive")
-    if config.compile not in COMPILE_CHOICES:
-        raise WhisperCliError(f"invalid --compile {config.compile!r}; choose auto, on or off")
     if config.against is not None and config.against not in REFERENCES:
         raise WhisperCliError(f"invalid --against {config.against!r}; choose transformers")
 
@@ -446,7 +449,7 @@ def measure(
 
     from whisper_cli.dtypes import resolve_policy
     from whisper_cli.loading import load_model
-    from whisper_cli.pipeline import TranscribeOptions, Transcriber
+    from whisper_cli.pipeline import Transcriber
 
     keep_freed_memory()  # as the CLI does
     if spec["threads"]:
