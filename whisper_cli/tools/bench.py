@@ -80,7 +80,7 @@ class BenchConfig:
     model: str | None = None  # None: the device's default (options.default_model)
     dtypes: tuple[str, ...] = ("auto",)  # each one configuration; see dtypes.expand_dtypes
     quantize: str = "none"  # every configuration's: none, or int8 weights (CPU)
-    batch_size: int = 16
+    batch_size: int = TranscribeOptions.batch_size
     audio: str | None = None  # a file, or a .npy float32 16 kHz array; None: default speech
     duration: float | None = None  # tile (or cut) the audio to this many seconds
     max_new_tokens: int = MAX_NEW_TOKENS  # what transcribe decodes

@@ -327,7 +327,7 @@ def evaluate(
     model: str | None,
     dtypes: Iterable[str] = ("f32",),
     device: str | None = None,
-    batch_size: int = 16,
+    batch_size: int = TranscribeOptions.batch_size,
     progress: Callable[[EvalProgress], None] | None = None,
     vad: bool = True,
     quantize: str = "none",
@@ -391,7 +391,7 @@ def split_supported(
 def evaluate_loaded(
     items: tuple[EvalItem, ...],
     loaded: LoadedModel,
-    batch_size: int = 16,
+    batch_size: int = TranscribeOptions.batch_size,
     progress: Callable[[EvalProgress], None] | None = None,
     load_s: float = 0.0,
     vad: bool = True,
