@@ -29,6 +29,7 @@ import typer.core
 
 from whisper_cli import __version__
 from whisper_cli.allocator import keep_freed_memory
+from whisper_cli.batch import ENGINES
 from whisper_cli.errors import (
     EXIT_BROKEN_PIPE,
     EXIT_INPUT_FAILED,
@@ -927,9 +928,7 @@ class _Terminal:
             bar.start()
 
 
-class Engine(str, Enum):
-    local = "local"
-    ray = "ray"
+Engine = Enum("Engine", {name: name for name in ENGINES}, type=str)
 
 
 ManifestArg = Annotated[
