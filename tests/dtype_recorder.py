@@ -66,7 +66,7 @@ class DtypeRecorder(TorchDispatchMode):
 # is not in kernels.py; every site in kernels.py is the "CPU kernels" exception.
 EXCEPTION_OF = {
     ("SpeechStream", "_score"): "speech detector",
-    ("whisper_cli.pipeline", "batch_log_mel"): "audio front end",
+    ("whisper_cli.engine", "batch_log_mel"): "audio front end",
     ("whisper_cli.engine", "f32_log_softmax"): "log-softmax over logits",
     ("whisper_cli.rules", "f32_logsumexp"): "log-softmax over logits",
     ("whisper_cli.decoding", "f32_logprobs"): "log-softmax over logits",
@@ -86,7 +86,6 @@ def exceptions_marked(rec: DtypeRecorder, unmarked: str | None = None) -> Iterat
     other op's); `rec.reached` counts the calls of each exception's sites."""
     import whisper_cli.decoding as decoding
     import whisper_cli.engine as engine
-    import whisper_cli.pipeline as pipeline
     import whisper_cli.rules as rules
     import whisper_cli.timing as timing
     from whisper_cli import kernels, speech
@@ -142,7 +141,7 @@ def exceptions_marked(rec: DtypeRecorder, unmarked: str | None = None) -> Iterat
         (kernels, "packable", inside),  # its probe: oneDNN packs a small f32 matrix or not
         (engine, "encoder_input", encoder_door),
         # The listed exceptions, wrapped where they are used.
-        (pipeline, "batch_log_mel", exception),
+        (engine, "batch_log_mel", exception),
         (engine, "f32_log_softmax", exception),
         (rules, "f32_logsumexp", exception),
         (decoding, "uniform", exception),

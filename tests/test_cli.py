@@ -844,12 +844,14 @@ def test_repetition_guard_cut_is_reported(monkeypatch: pytest.MonkeyPatch) -> No
 
     from whisper_cli.engine import Engine
 
-    real = Engine.decode
+    real = Engine.run
 
     def looping(self, *args, **kwargs):
-        return [dataclasses.replace(row, looped=True) for row in real(self, *args, **kwargs)]
+        batch = real(self, *args, **kwargs)
+        rows = [dataclasses.replace(row, looped=True) for row in batch.rows]
+        return dataclasses.replace(batch, rows=rows)
 
-    monkeypatch.setattr(Engine, "decode", looping)
+    monkeypatch.setattr(Engine, "run", looping)
     result = transcribe(jfk(), "-m", tiny())
     assert warning_lines(result.stderr) == [
         f"whisper-cli: warning: {jfk()}: 1 window(s) kept repeating themselves at every "

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from util import (
+    decode_mel,
     make_random_model,
     manifest,
     real_model,
@@ -24,6 +25,7 @@ from whisper_cli.dtypes import resolve_policy
 from whisper_cli.engine import Engine
 from whisper_cli.features import log_mel
 from whisper_cli.loading import load_model
+from whisper_cli.model import FIXED, Extent
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,7 +71,7 @@ def test_random_config_logits_match_reference(random_dirs):
         expected = ref(input_features=mel, decoder_input_ids=tokens).logits
         audio = ours.model.encoder(mel)
         caches = ours.model.decoder.new_caches(audio, 32)
-        got = ours.model.decoder(tokens, torch.arange(tokens.shape[1]), caches)
+        got = ours.model.decoder(tokens, torch.arange(tokens.shape[1]), caches, FIXED)
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() < 1e-4
     assert special.sot == ref.generation_config.decoder_start_token_id
@@ -83,10 +85,12 @@ def test_static_cache_steps_equal_full_forward(random_dirs):
     decoder = ours.model.decoder
     with torch.no_grad():
         audio = ours.model.encoder(mel)
-        full = decoder(tokens, torch.arange(tokens.shape[1]), decoder.new_caches(audio, 16))
+        positions = torch.arange(tokens.shape[1])
+        full = decoder(tokens, positions, decoder.new_caches(audio, 16), FIXED)
         caches = decoder.new_caches(audio, 16)
         steps = [
-            decoder(tokens[:, i : i + 1], torch.tensor([i]), caches) for i in range(tokens.shape[1])
+            decoder(tokens[:, i : i + 1], torch.tensor([i]), caches, Extent(i + 1))
+            for i in range(tokens.shape[1])
         ]
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
 
@@ -113,7 +117,7 @@ def test_random_config_greedy_tokens_match_reference(random_dirs, timestamps):
     language = "en" if ours.tokenizer.is_multilingual else None
     engine = Engine(ours, DecodeOptions(timestamps=timestamps, max_new_tokens=24))
     with torch.inference_mode():
-        rows = engine.decode(engine.encode(mel), [language] * 2)
+        rows = decode_mel(engine, mel, [language] * 2).rows
     kwargs = {"language": "en", "task": "transcribe"} if language else {}
     expected = ref.generate(
         input_features=mel,
@@ -160,7 +164,7 @@ def test_real_models_match_reference_on_real_speech(model_name):
         engine = Engine(ours, DecodeOptions())
         with torch.inference_mode():
             mel = log_mel(torch.from_numpy(audio)[None], ours.config.num_mel_bins)
-            row = engine.decode(engine.encode(mel), [language])[0]
+            row = decode_mel(engine, mel, [language]).rows[0]
         exp = [t for t in expected[0].tolist() if t != ours.tokenizer.special.eot]
         assert list(row.tokens) == exp, f"{model_name} {name} {channel}"
         assert words(ours.tokenizer.decode(row.tokens)) == words(text)
@@ -184,10 +188,9 @@ def test_decoders_with_other_cache_lengths_share_one_model(random_dirs):
     short = Engine(ours, DecodeOptions(timestamps=False, max_new_tokens=4))
     long = Engine(ours, DecodeOptions(timestamps=False, max_new_tokens=16))
     with torch.inference_mode():
-        features = long.encode(mel)
-        first = long.decode(features, [language] * 2)
-        short.decode(features, [language] * 2)
-        again = long.decode(features, [language] * 2)
+        first = decode_mel(long, mel, [language] * 2).rows
+        decode_mel(short, mel, [language] * 2)
+        again = decode_mel(long, mel, [language] * 2).rows
     assert [r.tokens for r in again] == [r.tokens for r in first]
 
 
@@ -198,19 +201,18 @@ def test_repetition_guard_stops_a_looping_row(random_dirs, looping, monkeypatch)
     steps = []
     real_choose = decoding.choose
 
-    def step(model, rules, state, caches, visible=None, sample=False) -> None:
+    def step(model, rules, state, caches, extent, sample) -> None:
         # A model that never ends: token 1000 + (position mod 3) (looping) or + position.
-        pos = int(state.position[0])
+        pos = int(state.positions()[0])
         steps.append(pos)
         logits = torch.zeros(state.tokens.shape[0], ours.config.vocab_size)
         logits[:, 1000 + (pos % 3 if looping else pos)] = 10.0
         real_choose(rules, state, logits, sample)
-        state.position.add_(1)
 
     monkeypatch.setattr(decoding, "step", step)
     engine = Engine(ours, DecodeOptions(timestamps=False, max_new_tokens=120))
     language = "en" if ours.tokenizer.is_multilingual else None
-    rows = engine.decode(engine.encode(random_mel(ours.config.num_mel_bins)), [language] * 2)
+    rows = decode_mel(engine, random_mel(ours.config.num_mel_bins), [language] * 2).rows
     if looping:
         assert all(r.looped for r in rows)
         assert len(steps) < 60  # stopped at the first check that sees the loop
@@ -238,5 +240,7 @@ def test_compiled_step_inputs_have_fixed_addresses_on_cuda(random_dirs, monkeypa
         engine._static_state(state, caches)
     rules = engine.rules.tensors()
     assert len(rules) == 3  # suppress, begin_suppress, ts_index
-    inputs = [*rules, *caches.tensors(), *(t for t in vars(state).values() if t is not None)]
+    state_tensors = [t for t in vars(state).values() if isinstance(t, torch.Tensor)]
+    assert len(state_tensors) >= 7
+    inputs = [*rules, *caches.tensors(), *state_tensors]
     assert {id(t) for t in inputs} <= {id(t) for t in marked}

@@ -62,14 +62,14 @@ def fails(row: DecodedRow, text: str, policy: Policy) -> bool:
 def run(t, paths: list[str]) -> tuple[dict, list[DecodedRow]]:
     """Transcripts by path, and every row the engine decoded (in order)."""
     decoded: list[DecodedRow] = []
-    real_decode = t.engine.decode
+    real_run = t.engine.run
 
-    def decode(*args, **kwargs):
-        rows = real_decode(*args, **kwargs)
-        decoded.extend(rows)
-        return rows
+    def run_batch(*args, **kwargs):
+        batch = real_run(*args, **kwargs)
+        decoded.extend(batch.rows)
+        return batch
 
-    t.engine.decode = decode  # watched, not changed
+    t.engine.run = run_batch  # watched, not changed
     results, errors = [], []
     t.run(paths, results.append, errors.append)
     assert not errors

@@ -20,7 +20,7 @@ from util import manifest, real_model, shared_clip
 from whisper_normalizer.basic import BasicTextNormalizer
 from whisper_normalizer.english import EnglishTextNormalizer
 
-from whisper_cli import pipeline
+from whisper_cli import rules
 from whisper_cli.audio import SAMPLE_RATE, load_audio, open_audio
 from whisper_cli.cli import app
 from whisper_cli.results import Segment
@@ -249,14 +249,14 @@ def test_speech_after_a_pause_is_not_lost(tiny_en, transcriber, tmp_path) -> Non
 def test_speech_after_timestamps_reads_the_map() -> None:
     speech = np.zeros(937, dtype=bool)  # 30 s of 32 ms frames
     speech[100:300] = True  # speech from 3.2 s to 9.6 s
-    after = pipeline.speech_after_timestamps(speech, 1501, 0.25)
+    after = rules.speech_after_timestamps(speech, 1501, 0.25)
     per_second = 50  # timestamps are 20 ms apart
     assert after[0] and after[5 * per_second]
     assert after[round(9.3 * per_second)]  # 0.3 s of speech left
     assert not after[round(9.4 * per_second)]  # 0.2 s left: less than a word
     assert not after[10 * per_second :].any()
-    assert not pipeline.speech_after_timestamps(np.zeros(937, bool), 1501, 0.25).any()
-    assert not pipeline.speech_after_timestamps(np.zeros(0, bool), 1501, 0.25).any()
+    assert not rules.speech_after_timestamps(np.zeros(937, bool), 1501, 0.25).any()
+    assert not rules.speech_after_timestamps(np.zeros(0, bool), 1501, 0.25).any()
 
 
 # --- 3. batching changes nothing -------------------------------------------------------------

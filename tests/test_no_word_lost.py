@@ -262,7 +262,7 @@ def _rules(skip):
 
 
 def _speech_table(spans: list[tuple[float, float]]) -> torch.Tensor:
-    from whisper_cli.pipeline import speech_before_timestamps
+    from whisper_cli.rules import speech_before_timestamps
     from whisper_cli.speech import FRAME_SECONDS
 
     speech = np.zeros(round(30 / FRAME_SECONDS), dtype=bool)
@@ -329,7 +329,7 @@ def test_the_next_segment_does_not_open_past_speech() -> None:
 
 
 def test_speech_before_timestamps_counts_speech_in_timestamp_steps() -> None:
-    from whisper_cli.pipeline import speech_before_timestamps
+    from whisper_cli.rules import speech_before_timestamps
     from whisper_cli.speech import FRAME_SECONDS
 
     speech = np.zeros(100, dtype=bool)

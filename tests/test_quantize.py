@@ -16,7 +16,7 @@ from util import manifest, real_model, shared_clip
 from whisper_cli import dtypes, kernels
 from whisper_cli.errors import WhisperCliError
 from whisper_cli.loading import load_model, plan_kernels, run_reach
-from whisper_cli.model import Linear
+from whisper_cli.model import Extent, Linear
 from whisper_cli.options import TranscribeOptions
 
 REL_ERR_ACTIVATIONS = 0.10  # "fbgemm", "onednn"
@@ -68,7 +68,7 @@ def teacher_forced(loaded, cases) -> list[torch.Tensor]:
             mel = batch_log_mel([audio], 1, loaded.config.num_mel_bins, torch.device("cpu"))
             features = model.encoder(encoder_input(mel, model.dtype))
             caches = model.decoder.new_caches(features, t)
-            out.append(model.decoder(tokens, torch.arange(t), caches, t)[0].double())
+            out.append(model.decoder(tokens, torch.arange(t), caches, Extent(t))[0].double())
     return out
 
 

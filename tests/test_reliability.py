@@ -544,13 +544,13 @@ def test_each_input_is_handed_over_as_soon_as_it_is_decoded(monkeypatch, tiny_en
 
     t = Transcriber(tiny_en, TranscribeOptions(batch_size=batch_size))
     events: list[str] = []
-    real = t.engine.decode
+    real = t.engine.run
 
-    def decode(features, *args):
-        events.append(f"decode {features.shape[0]}")
-        return real(features, *args)
+    def run(rows, *args, **kwargs):
+        events.append(f"decode {len(rows)}")
+        return real(rows, *args, **kwargs)
 
-    monkeypatch.setattr(t.engine, "decode", decode)
+    monkeypatch.setattr(t.engine, "run", run)
     clip = str(shared_clip("stereo_diarization.wav"))
     t.run([clip] * 3, lambda r: events.append("result"), pytest.fail)
     expected = {
@@ -593,7 +593,7 @@ audio._file_opener = _file_opener
     "decode": """
 import os, signal
 import whisper_cli.engine as engine
-real = engine.Engine.decode
+real = engine.Engine.run
 def decode(self, *args, **kwargs):
     decoder = self.model.decoder
     forward, calls = decoder.forward, []
@@ -604,7 +604,7 @@ def decode(self, *args, **kwargs):
         return forward(*a, **k)
     decoder.forward = counted
     return real(self, *args, **kwargs)
-engine.Engine.decode = decode
+engine.Engine.run = decode
 """,
 }
 
@@ -633,16 +633,16 @@ def test_out_of_memory_retries_with_a_smaller_batch(tiny_en, monkeypatch):
         paths, lambda t: expected.setdefault(t.path, t.text), pytest.fail
     )
     transcriber = Transcriber(tiny_en, TranscribeOptions(batch_size=4))
-    real_decode = transcriber.engine.decode
+    real_run = transcriber.engine.run
     sizes = []
 
-    def decode(features, *args):
-        sizes.append(features.shape[0])
-        if features.shape[0] > 1:
+    def run(rows, *args, **kwargs):
+        sizes.append(len(rows))
+        if len(rows) > 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_decode(features, *args)
+        return real_run(rows, *args, **kwargs)
 
-    monkeypatch.setattr(transcriber.engine, "decode", decode)
+    monkeypatch.setattr(transcriber.engine, "run", run)
     got = {}
     with pytest.warns(
         RuntimeWarning, match="out of memory at batch size 4; retrying with batch size 2"

@@ -18,7 +18,7 @@ import torch
 from reference_whisper import boundary_errors, reference_model, reference_words
 from test_formats import assert_monotonic, parse_srt, parse_vtt
 from typer.testing import CliRunner
-from util import jsonl_records, real_model, shared_clip
+from util import decode_mel, jsonl_records, real_model, shared_clip
 
 from whisper_cli.audio import open_audio
 from whisper_cli.decoding import DecodeOptions
@@ -64,8 +64,8 @@ def test_word_times_match_openai_whisper_on_the_same_tokens(model_name, request)
     mel = batch_log_mel(windows, len(windows), loaded.config.num_mel_bins, torch.device("cpu"))
     engine = Engine(loaded, DecodeOptions())
     language = "en" if loaded.tokenizer.is_multilingual else None
-    features = engine.encode(mel)
-    rows = engine.decode(features, [language] * len(windows))
+    decoded = decode_mel(engine, mel, [language] * len(windows))
+    features, rows = decoded.features, decoded.rows
     segments = [
         window_segments(
             row.tokens,
@@ -339,28 +339,32 @@ def test_word_options_need_word_timestamps():
 
 
 def test_retained_and_reprojected_cross_attention_give_the_same_words(tiny_en):
-    """The pass reads the cross K/V the decode projected, of the whole (padded) batch,
-    whether the eager decode kept every row or dropped finished ones; without them it
-    projects them again from the encoder output: the same words."""
+    """The engine's pass reads the cross K/V its decode projected, of the whole batch,
+    whether the eager decode kept every row or dropped finished ones; without them the
+    aligner projects them again from the encoder output: the same words."""
     windows = english_windows()[:2]
-    mel = batch_log_mel(windows, 3, tiny_en.config.num_mel_bins, torch.device("cpu"))  # 1 pad
-    aligner = Aligner(tiny_en)
+    mel = batch_log_mel(windows, 3, tiny_en.config.num_mel_bins, torch.device("cpu"))
     results = []
-    for shrink, retain in ((False, True), (True, True), (True, False)):
-        options = DecodeOptions(max_new_tokens=48)
-        engine = Engine(tiny_en, options, shrink=shrink, retain_cross=retain)
-        features = engine.encode(mel)
-        rows = engine.decode(features, [None] * 3)
-        cross = engine.cross_kv(features)
-        assert (cross is not None) == retain
-        assert engine.cross_kv(features) is None  # handed over once, then released
-        if retain:
-            assert all(k.shape[0] == 3 for k, _ in cross)  # the whole batch, padding too
-        text = [tuple(t for t in r.tokens if t < tiny_en.tokenizer.special.eot) for r in rows]
-        results.append(
-            aligner.align(
-                features, [AlignRow(t, len(a)) for t, a in zip(text, windows, strict=False)], cross
-            )
-        )
+    for shrink in (False, True):
+        engine = Engine(tiny_en, DecodeOptions(max_new_tokens=48), shrink=shrink, words=True)
+        decoded = decode_mel(engine, mel, [None] * 3)
+        assert all(k.shape[0] == 3 for k, _ in decoded.cross)  # the whole batch
+        eot = tiny_en.tokenizer.special.eot
+        text = [
+            AlignRow(tuple(t for t in r.tokens if t < eot), len(a))
+            for r, a in zip(decoded.rows, windows, strict=False)
+        ]
+        results.append(engine.align(decoded, text))
+    results.append(Aligner(tiny_en).align(decoded.features, text))
     assert results[0] == results[1] == results[2]
     assert all(len(w.words) > 5 for w in results[0])
+
+
+def test_a_batch_is_aligned_before_the_engines_next_run(tiny_en):
+    """A compiled engine refills its buffers at each run: an older batch cannot be aligned."""
+    mel = batch_log_mel(english_windows()[:1], 1, tiny_en.config.num_mel_bins, torch.device("cpu"))
+    engine = Engine(tiny_en, DecodeOptions(max_new_tokens=8), words=True)
+    first = decode_mel(engine, mel, [None])
+    decode_mel(engine, mel, [None])
+    with pytest.raises(ValueError, match="before the engine's next run"):
+        engine.align(first, [AlignRow((), 16000)])

@@ -137,3 +137,20 @@ def make_random_model(
         generation["lang_to_id"] = {f"<|{c}|>": i for c, i in tok.language_ids.items()}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return out
+
+
+def decode_mel(engine, mel, languages, **row):
+    """The engine's Decoded of a log-mel batch (B, n_mels, 3000), one language per row:
+    the mel is encoded first and each row handed its encoder output (`row`: further
+    WindowInput fields, the same for every row)."""
+    import numpy as np
+
+    from whisper_cli.engine import WindowInput
+
+    features = engine.encode(mel)
+    silent = np.zeros(0, np.float32)
+    inputs = [
+        WindowInput(silent, features=f, language=lang, **row)
+        for f, lang in zip(features, languages, strict=True)
+    ]
+    return engine.run(inputs)

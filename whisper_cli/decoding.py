@@ -10,12 +10,13 @@ device: the same draw eager and compiled, and never dependent on the other rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from whisper_cli.dtypes import f32_logprobs, f32_logsumexp, f32_softmax
-from whisper_cli.model import DecodeCaches, Whisper
+from whisper_cli.model import DecodeCaches, Extent, Whisper
+from whisper_cli.options import MAX_NEW_TOKENS, Policy
 from whisper_cli.rules import Rules, SkipLimits, SpeechGrid, apply_rules
 
 
@@ -23,14 +24,18 @@ from whisper_cli.rules import Rules, SkipLimits, SpeechGrid, apply_rules
 class DecodeOptions:
     task: str = "transcribe"
     timestamps: bool = True
-    max_new_tokens: int = 224  # half the text context, as openai-whisper does
+    max_new_tokens: int = MAX_NEW_TOKENS
     prompt_tokens: tuple[int, ...] = ()  # previous-text conditioning (initial prompt)
-    max_initial_timestamp: float = 1.0  # seconds
-    # The repetition guard (see options.Policy).
-    loop_check_every: int = 8
-    max_loop_period: int = 16
-    min_loop_span: int = 32
-    skip: SkipLimits | None = None  # how much speech a timestamp may pass over (rules.py)
+    # The thresholds the decode reads: the repetition guard, the speech the rules hold a
+    # row open for and the speech a timestamp may pass over.
+    policy: Policy = field(default_factory=Policy)
+
+    @property
+    def skip(self) -> SkipLimits:
+        p = self.policy
+        return SkipLimits.from_seconds(
+            p.segment_speech_seconds, p.segment_speech_per_token_seconds, p.gap_speech_seconds
+        )
 
 
 @dataclass(frozen=True)
@@ -55,13 +60,42 @@ class LanguageGuess:
 
 
 @dataclass
+class Probe:
+    """Teacher forcing and logit capture through the decode's own step, in fixed buffers
+    the step writes at each index (tools compare devices and compiled against eager this
+    way). A probed decode runs every row for every step: no row finishes."""
+
+    logits: torch.Tensor  # (B, steps, V) model dtype: each step's logits, before the rules
+    chosen: torch.Tensor  # (B, steps) int64: the token the step chose
+    forced: torch.Tensor | None  # (B, steps) int64: fed to the next step in its place
+
+    @classmethod
+    def make(
+        cls,
+        rows: int,
+        steps: int,
+        vocab: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        forced: torch.Tensor | None = None,
+    ) -> Probe:
+        return cls(
+            logits=torch.zeros(rows, steps, vocab, dtype=dtype, device=device),
+            chosen=torch.zeros(rows, steps, dtype=torch.long, device=device),
+            forced=None if forced is None else forced.to(device),
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.logits, self.chosen, self.forced) if t is not None]
+
+
+@dataclass
 class DecodeState:
     """Everything a decode step reads and writes, as device tensors: (B,) per row unless
     noted. Updated in place, so a compiled step replays over the same buffers."""
 
     tokens: torch.Tensor  # (B, max_new) int64: sampled tokens, end-of-text after the end
     index: torch.Tensor  # () int64: the step, i.e. how many tokens were sampled
-    position: torch.Tensor  # (1,) int64: the text position of the next forward
     finished: torch.Tensor  # bool
     logprobs: torch.Tensor  # (B, max_new) float32 (listed exception): chosen log-probs
     loop_cut: torch.Tensor  # int64: where a looping row's tokens are cut, -1 if it did not
@@ -70,6 +104,8 @@ class DecodeState:
     # (B, n_ts) each, the rows' rules.SpeechGrid: speech after / before each timestamp
     speech_after: torch.Tensor | None
     speech_before: torch.Tensor | None
+    prompt_length: int  # the prompt's positions: sampled token i sits at prompt_length + i
+    probe: Probe | None = None
 
     @classmethod
     def start(
@@ -82,6 +118,7 @@ class DecodeState:
         dtype: torch.dtype,
         device: torch.device,
         speech: SpeechGrid | None = None,
+        probe: Probe | None = None,
     ) -> DecodeState:
         b = len(temperatures)
         minus_one = torch.full((b,), -1, dtype=torch.long, device=device)
@@ -89,7 +126,6 @@ class DecodeState:
         return cls(
             tokens=torch.full((b, max_new), eot, dtype=torch.long, device=device),
             index=torch.zeros((), dtype=torch.long, device=device),
-            position=torch.full((1,), prompt_length, dtype=torch.long, device=device),
             finished=torch.zeros(b, dtype=torch.bool, device=device),
             logprobs=f32_logprobs(b, max_new, device),
             loop_cut=minus_one.clone(),
@@ -97,13 +133,25 @@ class DecodeState:
             seed=torch.tensor(folded, dtype=torch.long, device=device),
             speech_after=None if speech is None else speech.after,
             speech_before=None if speech is None else speech.before,
+            prompt_length=prompt_length,
+            probe=probe,
         )
+
+    def positions(self) -> torch.Tensor:
+        """(1,) int64: the position of the latest sampled token, the next step's input."""
+        return (self.index + (self.prompt_length - 1)).view(1)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the step reads or writes (a compiled step's fixed addresses)."""
+        fields = [getattr(self, name) for name in _PER_ROW]
+        probe = self.probe.tensors() if self.probe is not None else []
+        return [t for t in (*fields, self.index, *probe) if t is not None]
 
     def recent(self, back: int) -> torch.Tensor:
         """(B,) the token sampled `back` steps ago (1: the latest), -1 before the first.
 
-        Read from `tokens` rather than kept apart: inductor (torch 2.13) reordered the
-        in-place updates of separate "last" and "penultimate" buffers.
+        Read from `tokens` rather than kept apart: inductor may reorder the in-place
+        updates of separate "last" and "penultimate" buffers.
         """
         at = (self.index - back).clamp(min=0).expand(self.tokens.shape[0], 1)
         return torch.where(self.index >= back, self.tokens.gather(1, at)[:, 0], -1)
@@ -120,18 +168,20 @@ class DecodeState:
         return self.index - 1 - latest
 
     def select(self, rows: torch.Tensor) -> DecodeState:
-        """The state of `rows` only (the eager path drops finished rows)."""
-        fields = {
-            name: t if t is None or t.dim() == 0 or name == "position" else t.index_select(0, rows)
-            for name, t in vars(self).items()
+        """The state of `rows` only (the eager path drops finished rows; a probed decode
+        never does)."""
+        picked = {
+            name: None if getattr(self, name) is None else getattr(self, name).index_select(0, rows)
+            for name in _PER_ROW
         }
-        return DecodeState(**fields)
+        return DecodeState(
+            **picked, index=self.index, prompt_length=self.prompt_length, probe=self.probe
+        )
 
     def copy_(self, other: DecodeState) -> None:
         """Take `other`'s values into these buffers (a compiled step's fixed addresses)."""
-        for name, t in vars(self).items():
-            if t is not None:
-                t.copy_(getattr(other, name))
+        for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
+            mine.copy_(theirs)
 
     def store(self, into: DecodeState, rows: torch.Tensor) -> None:
         """Write these rows' tokens and results into `into`, the whole batch's, at `rows`."""
@@ -139,39 +189,44 @@ class DecodeState:
             getattr(into, name)[rows] = getattr(self, name)
 
 
+# The state's (B, ...) fields, one row each.
+_PER_ROW = (
+    "tokens",
+    "finished",
+    "logprobs",
+    "loop_cut",
+    "temperature",
+    "seed",
+    "speech_after",
+    "speech_before",
+)
+
+
 def step(
     model: Whisper,
     rules: Rules,
     state: DecodeState,
     caches: DecodeCaches,
-    visible: int | None = None,
-    sample: bool = False,
+    extent: Extent,
+    sample: bool,
 ) -> None:
     """One decode step: the forward of each row's latest token, then `choose`.
 
-    visible: eager callers' count of cache slots written after this step (see
-    Decoder.forward); None for the fixed-shape (compiled) step.
+    extent: the cache slots the forward reads (model.Extent; FIXED in the compiled step).
+    sample: whether any row draws (a static argument: the compiled greedy step has no
+    draw in its graph).
     """
-    last = state.recent(1)
-    logits = model.decoder(last[:, None], state.position, caches, visible)[:, -1]
-    choose(rules, state, logits, sample)
-    state.position.add_(1)
-
-
-def greedy_step(model: Whisper, rules: Rules, state: DecodeState, caches: DecodeCaches) -> None:
-    """The fixed-shape step with argmax choices (what the engine compiles)."""
-    step(model, rules, state, caches)
-
-
-def sampled_step(model: Whisper, rules: Rules, state: DecodeState, caches: DecodeCaches) -> None:
-    """The fixed-shape step with draws for rows above temperature 0 (a separate function,
-    so that its compiled graph is not a recompile of the greedy one)."""
-    step(model, rules, state, caches, sample=True)
+    logits = model.decoder(state.recent(1)[:, None], state.positions(), caches, extent)
+    choose(rules, state, logits[:, -1], sample)
 
 
 def choose(rules: Rules, state: DecodeState, logits: torch.Tensor, sample: bool) -> None:
     """From a step's (B, V) logits: apply the rules, choose each row's token (argmax, or a
     draw at its temperature when `sample`), add its log-prob, and update the state."""
+    at = state.index.view(1)
+    probe = state.probe
+    if probe is not None:
+        probe.logits.index_copy_(1, at, logits[:, None])
     last, penult = state.recent(1), state.recent(2)
     max_ts = state.max_timestamp(rules.timestamp_begin)
     text_run = None if state.speech_before is None else state.text_run(rules.timestamp_begin)
@@ -196,9 +251,13 @@ def choose(rules: Rules, state: DecodeState, logits: torch.Tensor, sample: bool)
     tokens = torch.where(finished, rules.eot, tokens)  # (B,)
     # The chosen token's log-prob: its logit less the row's log-sum-exp.
     chosen = logits.gather(1, tokens[:, None])[:, 0] - f32_logsumexp(logits)
-    at = state.index.view(1)
     state.logprobs.index_copy_(1, at, torch.where(finished, 0.0, chosen)[:, None])
-    state.finished.logical_or_(tokens == rules.eot)
+    if probe is None:
+        state.finished.logical_or_(tokens == rules.eot)
+    else:
+        probe.chosen.index_copy_(1, at, tokens[:, None])
+        if probe.forced is not None:
+            tokens = probe.forced.index_select(1, at)[:, 0]
     state.tokens.index_copy_(1, at, tokens[:, None])
     state.index.add_(1)
 
@@ -237,7 +296,7 @@ def draw(
     caller has already (the softmax's argmax too, T > 0 keeping the order).
 
     One uniform a row rather than Gumbel noise for every token: hashing (B, V) integers
-    cost 24 ms a step at B 11 on a 2-core Zen 3, this 3 ms.
+    a step costs several times the whole draw.
     """
     t = torch.where(temperature > 0, temperature, 1.0)
     probs = f32_softmax(logits, t[:, None])  # (B, V) float32
@@ -252,7 +311,7 @@ def draw(
     return torch.where(hit.any(dim=-1), first, likeliest)
 
 
-def stop_loops(state: DecodeState, n: int, options: DecodeOptions, timestamp_begin: int) -> None:
+def stop_loops(state: DecodeState, n: int, policy: Policy, timestamp_begin: int) -> None:
     """Repetition guard, on the device: finish rows whose recent tokens repeat a period.
 
     n: the tokens sampled so far. Timestamps are compared as one symbol, so "text <|t|>
@@ -261,8 +320,8 @@ def stop_loops(state: DecodeState, n: int, options: DecodeOptions, timestamp_beg
     """
     seq = state.tokens[:, :n]
     seq = torch.where(seq >= timestamp_begin, timestamp_begin, seq)
-    for period in range(1, options.max_loop_period + 1):
-        span = max(options.min_loop_span, 3 * period)
+    for period in range(1, policy.max_loop_period + 1):
+        span = max(policy.min_loop_span, 3 * period)
         if span + period > n:
             break
         periodic = (seq[:, n - span :] == seq[:, n - span - period : n - period]).all(dim=1)

@@ -1,4 +1,10 @@
-"""The engine: encode a batch of log-mels, prefill, and run the decode loop.
+"""The engine: one batch of 30 s windows end to end, and the counters of what it ran.
+
+`Engine.run` owns a batch: the padding of a compiled batch, the encoder (windows
+encoded in an earlier batch are not encoded again), the language pass, the prefill, the
+decode loop and the rows' results; `Engine.align` is the word-alignment pass over the
+same batch, on the cross K/V its decode projected. Each run's data lives in its own
+objects (`Decoded`), never on the engine, except a compiled step's fixed buffers.
 
 It is the one place that knows eager from compiled:
 - eager (CPU default): fresh caches and state per batch; finished rows are dropped from
@@ -9,24 +15,26 @@ It is the one place that knows eager from compiled:
 The host reads the device only every `sync_every` steps (has every row finished?) and
 for the repetition guard; a caller that watches the decode (`on_rows`) is told each row's
 latest timestamp in the same read, at most every PROGRESS_SECONDS. Counters say what
-ran: encoder passes, steps, rows, graphs, recompiles and CUDA-graph skips, so tools
-measure through them instead of patching.
+ran, so that tools measure through them instead of patching.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from whisper_cli import decoding
-from whisper_cli.decoding import DecodedRow, DecodeOptions, DecodeState
+from whisper_cli.decoding import DecodedRow, DecodeOptions, DecodeState, Probe
 from whisper_cli.dtypes import encoder_input, f32_log_softmax
+from whisper_cli.features import batch_log_mel
 from whisper_cli.loading import LoadedModel
-from whisper_cli.model import KV, DecodeCaches
+from whisper_cli.model import FIXED, KV, DecodeCaches, Extent
 from whisper_cli.rules import Rules, SpeechGrid
+from whisper_cli.timing import Aligner, AlignRow, WindowWords
 from whisper_cli.tokenizer import TIME_PRECISION
 
 CACHE_MULTIPLE = 16  # self-attention cache length rounded up to this (aligned tiles)
@@ -37,6 +45,42 @@ PROGRESS_SECONDS = 0.25
 # What `on_rows` gets: batch row -> seconds into its window of its latest timestamp (0.0
 # before the first one), or None once the row has finished.
 RowPositions = dict[int, float | None]
+# The language pass's verdict (see Engine.run): given the language codes and every real
+# row's probabilities over them, (n, n_languages) float32, each row's language.
+LanguagePicker = Callable[[list[str], np.ndarray], list[str]]
+
+
+@dataclass(frozen=True)
+class WindowInput:
+    """One row of a batch: a window to decode, at one temperature."""
+
+    audio: np.ndarray  # (n,) float32 16 kHz samples, at most 30 s
+    # (S, C): its encoder output from an earlier batch (then it is not encoded again)
+    features: torch.Tensor | None = None
+    # Its language; None on a multilingual model: found by the language pass.
+    language: str | None = None
+    temperature: float = 0.0  # 0 is greedy (see Engine.run)
+    seed: int = 0
+    # Its speech map (speech.FRAME_SECONDS frames, bool), for the rules that keep a decode
+    # from ending before speech or passing over it (timestamps only); None: no map.
+    speech: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A decoded batch: its real rows' results, and what a later attempt at a row and
+    the alignment pass need of the batch. Aligned before the engine's next run (a
+    compiled engine refills its buffers then)."""
+
+    rows: list[DecodedRow]
+    features: torch.Tensor  # (B, S, C) the batch's encoder output, padding rows too
+    cross: list[KV] | None  # the decode's cross K/V per layer, when the engine aligns
+    run: int  # which of its engine's runs made it
+
+    def kept(self, row: int) -> torch.Tensor:
+        """(S, C) a row's encoder output, for a later attempt (a copy, not a view that
+        would hold the whole batch)."""
+        return self.features[row].clone()
 
 
 @dataclass
@@ -52,12 +96,16 @@ class EngineCounters:
     steps: int = 0  # one-token decode steps (each for the whole current batch)
     row_steps: int = 0  # sum over steps of the rows in the batch (shrinking shows here)
     tokens: int = 0  # sampled text and timestamp tokens of the real rows, end-of-text excluded
+    aligns: int = 0  # word-alignment passes
     graphs: int = 0  # graphs compiled for the step (torch.compile)
     recompiles: int = 0  # graphs compiled beyond the first of each step function
     graph_breaks: int = 0
     cudagraph_skips: int = 0  # steps that could not be recorded as CUDA graphs
-    encode_s: float = 0.0  # wall time, with the device synchronised (timed engines only)
+    # Wall time, with the device synchronised (timed engines only): the encoder, the rest
+    # of a run (language pass, prefill, loop) and the alignment passes.
+    encode_s: float = 0.0
     decode_s: float = 0.0
+    align_s: float = 0.0
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -75,7 +123,7 @@ def _dynamo_counts() -> tuple[int, int, int]:
 
 
 class Engine:
-    """Encodes and decodes batches of 30 s windows for one run."""
+    """Encodes, decodes and aligns batches of 30 s windows for one run."""
 
     def __init__(
         self,
@@ -83,22 +131,22 @@ class Engine:
         options: DecodeOptions,
         compile: bool = False,
         shrink: bool = True,
-        retain_cross: bool = False,
+        words: bool = False,
         timed: bool = False,
     ) -> None:
         """compile: the whole step under torch.compile (fixed batch, padded); shrink:
-        the eager path drops finished rows; retain_cross: keep the last batch's cross K/V
-        for the word-alignment pass (see cross_kv); timed: synchronise the device around
-        encode and decode and count their wall time."""
+        the eager path drops finished rows; words: align words (Engine.align), the decode's
+        cross K/V kept for it; timed: synchronise the device around each stage and count
+        its wall time."""
         self.loaded = loaded
         self.model = loaded.model
         self.options = options
         self.compile = compile
         self.shrink = shrink and not compile
-        self.retain_cross = retain_cross
         self.timed = timed
         self.counters = EngineCounters()
         self.special = loaded.tokenizer.special
+        self.aligner = Aligner(loaded, options.task) if words else None
         device = self.model.device
         self.on_cuda = device.type == "cuda"
         # The host reads "all finished" every step on CPU (it drops rows then), every 8
@@ -113,21 +161,73 @@ class Engine:
         self.cache_length = min(
             _round_up(self.prompt_length + self.max_new, CACHE_MULTIPLE), cfg.max_target_positions
         )
-        self.rules = Rules.build(
-            loaded, options.timestamps, options.max_initial_timestamp, options.skip
-        )
-        self._prepared: DecodeCaches | None = None  # caches of the latest encoded batch
+        self.rules = Rules.build(loaded, options.timestamps, options.skip)
+        self.n_timestamps = len(self.rules.ts_index)
         self._static: tuple[DecodeState, DecodeCaches] | None = None  # compiled buffers
-        self._steps: dict[bool, object] = {}  # compiled step per `sample`
-        self._retained: tuple[torch.Tensor, list[KV]] | None = None
+        self._steps: dict[bool, Callable] = {}  # compiled step per `sample`
+        self._runs = 0
 
-    # -- batch shape -------------------------------------------------------------------
+    # -- a batch -----------------------------------------------------------------------
 
-    def rows_for(self, n: int, batch_size: int) -> int:
-        """How many rows to encode for `n` windows: a compiled step's fixed batch."""
-        return max(n, batch_size) if self.compile else n
+    @torch.inference_mode()
+    def run(
+        self,
+        rows: Sequence[WindowInput],
+        pick_languages: LanguagePicker | None = None,
+        pad_to: int = 0,
+        on_rows: Callable[[RowPositions], None] | None = None,
+        probe: Probe | None = None,
+    ) -> Decoded:
+        """Decode a batch of windows; results in row order.
 
-    # -- encoder -----------------------------------------------------------------------
+        pick_languages: on a multilingual model, rows without a language need the
+        language pass, and it decides their languages from its probabilities.
+        pad_to: a compiled engine pads the batch to this many rows (its fixed shape).
+        A row above temperature 0 draws from softmax(logits / T) at uniforms hashed from
+        its seed and step, so its text does not depend on the other rows of its batch.
+        on_rows: told where the real rows still decoding stand (see RowPositions).
+        probe: teacher forcing and logit capture (see decoding.Probe).
+        """
+        self._runs += 1
+        n = len(rows)
+        b = max(n, pad_to) if self.compile else n
+        features = self._encode(rows, b)
+        started = self._start()
+        caches = self._caches(features)
+        languages = self._languages(rows, caches, pick_languages)
+        padded = [*rows, *[WindowInput(np.zeros(0, np.float32))] * (b - n)]
+        state = self._start_state(padded, probe)
+        # Whether any row draws: the step's static argument (the greedy graph has no draw).
+        sample = any(r.temperature > 0 for r in rows)
+        no_speech = self._prefill(state, caches, [*languages, *[languages[0]] * (b - n)], sample)
+        final = self._loop(state, caches, n, sample, on_rows, guard=probe is None)
+        results = decoding.decoded_rows(
+            final,
+            self.special.eot,
+            no_speech[:n],
+            languages,
+            [r.temperature for r in rows],
+        )
+        self.counters.tokens += sum(len(r.tokens) for r in results)
+        self.counters.decodes += 1
+        self.counters.decoded_rows += b
+        self.counters.decode_s += self._stop(started)
+        cross = caches.cross_kv() if self.aligner is not None else None
+        return Decoded(results, features, cross, self._runs)
+
+    @torch.inference_mode()
+    def align(self, decoded: Decoded, texts: Sequence[AlignRow]) -> list[WindowWords]:
+        """Word timings of `texts`, one per real row of `decoded` (rows with no tokens get
+        none), from one teacher-forced pass over the batch."""
+        if self.aligner is None:
+            raise ValueError("this engine does not align words (Engine(words=True))")
+        if decoded.run != self._runs:
+            raise ValueError("a batch is aligned before the engine's next run")
+        started = self._start()
+        words = self.aligner.align(decoded.features, texts, decoded.cross)
+        self.counters.align_s += self._stop(started)
+        self.counters.aligns += 1
+        return words
 
     @torch.inference_mode()
     def encode(self, mel: torch.Tensor) -> torch.Tensor:
@@ -139,98 +239,133 @@ class Engine:
         self.counters.encoded_rows += mel.shape[0]
         return features
 
-    # -- language ----------------------------------------------------------------------
+    def sync(self) -> None:
+        if self.on_cuda:
+            torch.cuda.synchronize(self.model.device)
 
-    @torch.inference_mode()
-    def language_probs(self, features: torch.Tensor) -> tuple[list[str], torch.Tensor]:
-        """Language codes and each row's probabilities over them, (B, n_languages) float32,
-        from the logits after <|startoftranscript|>."""
+    # -- the stages of a run -------------------------------------------------------------
+
+    def _encode(self, rows: Sequence[WindowInput], b: int) -> torch.Tensor:
+        """(b, S, C): the rows' encoder outputs, then silent padding rows; only the rows
+        not encoded before (and the padding) pass through the encoder."""
+        fresh = [r for r, row in enumerate(rows) if row.features is None]
+        n_encoded = len(fresh) + b - len(rows)
+        encoded = None
+        if n_encoded:
+            mel = batch_log_mel(
+                [rows[r].audio for r in fresh],
+                n_encoded,
+                self.loaded.config.num_mel_bins,
+                self.model.device,
+            )
+            encoded = self.encode(mel)  # the fresh rows, then the padding
+            if n_encoded == b:
+                return encoded
+        kept = [r for r, row in enumerate(rows) if row.features is not None]
+        like = rows[kept[0]].features
+        features = like.new_empty((b, *like.shape))
+        features[kept] = torch.stack([rows[r].features for r in kept])
+        if encoded is not None:
+            features[fresh] = encoded[: len(fresh)]
+            features[len(rows) :] = encoded[len(fresh) :]
+        return features
+
+    def _languages(
+        self,
+        rows: Sequence[WindowInput],
+        caches: DecodeCaches,
+        pick: LanguagePicker | None,
+    ) -> list[str | None]:
+        """Each row's language: its own, or the picker's from the language pass (one step
+        after <|startoftranscript|> over the whole batch, read for the real rows)."""
+        languages = [r.language for r in rows]
+        if not self.loaded.tokenizer.is_multilingual or all(languages):
+            return languages
+        if pick is None:
+            raise ValueError("rows without a language need a language picker")
         tokenizer = self.loaded.tokenizer
-        caches = self._caches(features)
-        device = features.device
-        tokens = torch.full((features.shape[0], 1), self.special.sot, device=device)
+        device = self.model.device
+        tokens = torch.full((caches.rows, 1), self.special.sot, device=device)
         positions = torch.zeros(1, dtype=torch.long, device=device)
-        logits = self.model.decoder(tokens, positions, caches, visible=1)
+        logits = self.model.decoder(tokens, positions, caches, Extent(1))
         self.counters.language_passes += 1
         codes = list(tokenizer.language_ids)
         ids = torch.tensor([tokenizer.language_ids[c] for c in codes], device=device)
-        return codes, f32_log_softmax(logits[:, 0, ids]).exp()  # over language tokens only
+        probs = f32_log_softmax(logits[: len(rows), 0, ids]).exp()  # over languages only
+        return list(pick(codes, probs.cpu().numpy()))
 
-    # -- decode ------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def decode(
-        self,
-        features: torch.Tensor,
-        languages: list[str | None],
-        speech: SpeechGrid | None = None,
-        temperatures: list[float] | None = None,
-        seeds: list[int] | None = None,
-        on_rows: Callable[[RowPositions], None] | None = None,
-    ) -> list[DecodedRow]:
-        """Decode the first len(languages) rows of a batch of encoder outputs (B, S, C);
-        rows after them are padding (see rows_for).
-
-        speech: the n rows' speech maps on the timestamp grid, timestamp mode only: a row
-        may not end while speech lies after its latest timestamp, nor pass a timestamp
-        over more speech than its text can hold (see rules.apply_rules).
-        temperatures: per row; 0 is greedy, above 0 draws from softmax(logits / T) at
-        uniforms hashed from the row's seed (`seeds`) and step, so a row's text does not
-        depend on the other rows of its batch.
-        on_rows: told where the real rows still decoding stand (see RowPositions).
-        """
-        started = self._start()
-        n, b = len(languages), features.shape[0]
-        pad = b - n
-        temperatures = [*(temperatures or [0.0] * n), *[0.0] * pad]
-        seeds = [*(seeds or [0] * n), *[0] * pad]
-        languages = [*languages, *[languages[0]] * pad]
-        device = features.device
-        if speech is not None and pad:  # padding rows are never held open
-            speech = speech.padded(pad)
-        sample = any(t > 0 for t in temperatures)
+    def _start_state(self, rows: Sequence[WindowInput], probe: Probe | None) -> DecodeState:
+        speech = None
+        if self.options.timestamps and all(r.speech is not None for r in rows[:1]):
+            # Padding rows have an empty map: never held open, nothing to pass over.
+            p = self.options.policy
+            maps = [r.speech if r.speech is not None else np.zeros(0, bool) for r in rows]
+            speech = SpeechGrid.from_maps(
+                maps,
+                self.n_timestamps,
+                p.min_speech_seconds,
+                p.end_slack_seconds,
+                self.model.device,
+            )
         state = DecodeState.start(
             self.max_new,
             self.prompt_length,
-            temperatures,
-            seeds,
+            [r.temperature for r in rows],
+            [r.seed for r in rows],
             self.special.eot,
             self.model.dtype,
-            device,
+            self.model.device,
             speech,
+            probe,
         )
-        caches = self._caches(features)
-        if self.compile:
-            state = self._static_state(state, caches)
+        return state
 
-        tokenizer = self.loaded.tokenizer
+    def _prefill(
+        self,
+        state: DecodeState,
+        caches: DecodeCaches,
+        languages: list[str | None],
+        sample: bool,
+    ) -> list[float]:
+        """The prompt through the decoder and the first token chosen; returns each row's
+        no-speech probability (read after <|startoftranscript|>)."""
+        tokenizer, o = self.loaded.tokenizer, self.options
         prompts = [
-            tokenizer.prompt(
-                lang, self.options.task, self.options.timestamps, self.options.prompt_tokens
-            )
-            for lang in languages
+            tokenizer.prompt(lang, o.task, o.timestamps, o.prompt_tokens) for lang in languages
         ]
+        device = self.model.device
         tokens = torch.tensor(prompts, dtype=torch.long, device=device)  # (B, T0)
         t0 = self.prompt_length
-        logits = self.model.decoder(
-            tokens, torch.arange(t0, device=device), caches, t0
-        )  # (B, T0, V)
+        logits = self.model.decoder(tokens, torch.arange(t0, device=device), caches, Extent(t0))
         self.counters.prefills += 1
-        sot_index = prompts[0].index(self.special.sot)
-        no_speech = f32_log_softmax(logits[:, sot_index])[:, self.special.no_speech].exp()
+        sot = prompts[0].index(self.special.sot)
+        no_speech = f32_log_softmax(logits[:, sot])[:, self.special.no_speech].exp()
         decoding.choose(self.rules, state, logits[:, -1], sample)
-        if self.retain_cross:
-            self._retained = (features, caches.cross_kv())
+        return no_speech.tolist()
 
+    def _loop(
+        self,
+        state: DecodeState,
+        caches: DecodeCaches,
+        n: int,
+        sample: bool,
+        on_rows: Callable[[RowPositions], None] | None,
+        guard: bool,
+    ) -> DecodeState:
+        """Step until every row has finished (or max_new tokens); returns the whole
+        batch's state (the eager path steps over fewer rows as they finish).
+
+        guard: run the repetition guard (a probed decode steps every row to the end)."""
+        if self.compile:
+            state = self._static_state(state, caches)
         final = state  # the whole batch's tokens and results
-        rows = torch.arange(b, device=device)  # the batch row of each active row
-        o = self.options
+        rows = torch.arange(caches.rows, device=self.model.device)  # each active row's
         # Dynamo's counters only where it runs (importing it costs an eager run time).
         graphs_before = _dynamo_counts() if self.compile else None
         next_report = time.perf_counter() if on_rows is not None else None
         for i in range(1, self.max_new):  # i tokens sampled so far
-            if i % o.loop_check_every == 0:
-                decoding.stop_loops(state, i, o, self.special.timestamp_begin)
+            if guard and i % self.options.policy.loop_check_every == 0:
+                decoding.stop_loops(state, i, self.options.policy, self.special.timestamp_begin)
             if i % self.sync_every == 0:
                 if next_report is not None and time.perf_counter() >= next_report:
                     n_active = self._report_rows(state, rows, n, on_rows)
@@ -249,22 +384,15 @@ class Engine:
             if self.compile:
                 self._compiled(sample)(state, caches)
             else:
-                decoding.step(self.model, self.rules, state, caches, t0 + i, sample)
+                extent = Extent(self.prompt_length + i)
+                decoding.step(self.model, self.rules, state, caches, extent, sample)
             self.counters.steps += 1
             self.counters.row_steps += len(rows)
         if state is not final:
             state.store(final, rows)
         if graphs_before is not None:
             self._count_graphs(graphs_before)
-        results = decoding.decoded_rows(
-            final, self.special.eot, no_speech.tolist(), languages, temperatures
-        )
-        self._prepared = None  # the next batch brings its own
-        self.counters.tokens += sum(len(r.tokens) for r in results[:n])
-        self.counters.decodes += 1
-        self.counters.decoded_rows += b
-        self.counters.decode_s += self._stop(started)
-        return results[:n]
+        return final
 
     def _report_rows(
         self, state: DecodeState, rows: torch.Tensor, n: int, on_rows: Callable
@@ -281,66 +409,46 @@ class Engine:
         on_rows(positions)
         return sum(1 for finished in read[1] if not finished)
 
-    def cross_kv(self, features: torch.Tensor) -> list[KV] | None:
-        """The cross K/V of the whole latest batch, per layer, if it was `features` and
-        retain_cross is on (the alignment pass then need not project them again)."""
-        retained, self._retained = self._retained, None
-        if retained is not None and retained[0] is features:
-            return retained[1]
-        return None
-
-    def sync(self) -> None:
-        if self.on_cuda:
-            torch.cuda.synchronize(self.model.device)
-
-    def sync_if_timed(self) -> None:
-        """Synchronise the device when this engine is timed (so a stage's time is its own)."""
-        if self.timed:
-            self.sync()
-
     # -- internals -------------------------------------------------------------------
 
     def _caches(self, features: torch.Tensor) -> DecodeCaches:
-        """The caches of this batch: made (or, compiled, refilled) once per encoder output."""
-        prepared = self._prepared
-        if prepared is not None and prepared.source is features:
-            return prepared
+        """The caches of a batch: made per batch, or (compiled) refilled in place."""
         decoder = self.model.decoder
         if self.compile and self._static is not None:
             static = self._static[1]
-            if static.source.shape == features.shape:
+            if static.rows == features.shape[0]:
                 decoder.fill_caches(static, features)
-                self._prepared = static
                 return static
             self._static = None  # a new batch shape: new buffers (and a new graph)
-        self._prepared = decoder.new_caches(features, self.cache_length)
-        return self._prepared
+        return decoder.new_caches(features, self.cache_length)
 
     def _static_state(self, state: DecodeState, caches: DecodeCaches) -> DecodeState:
         """The compiled step's state buffers, holding `state`'s values."""
         static = self._static
-        if static is None or (static[0].speech_after is None) != (state.speech_after is None):
+        if (
+            static is None
+            or len(static[0].tensors()) != len(state.tensors())
+            or static[0].probe is not state.probe
+        ):
             # Fixed addresses: CUDA graphs read them in place (a tensor input not marked is
             # copied into the graph's own buffer at every replay), the rules' masks too.
             if self.on_cuda:
-                for t in [*vars(state).values(), *caches.tensors(), *self.rules.tensors()]:
-                    if t is not None:
-                        torch._dynamo.mark_static_address(t)
+                for t in [*state.tensors(), *caches.tensors(), *self.rules.tensors()]:
+                    torch._dynamo.mark_static_address(t)
             self._static = (state, caches)
             return state
         static[0].copy_(state)
         return static[0]
 
-    def _compiled(self, sample: bool):
+    def _compiled(self, sample: bool) -> Callable[[DecodeState, DecodeCaches], None]:
         step = self._steps.get(sample)
         if step is None:
-            function = decoding.sampled_step if sample else decoding.greedy_step
             mode = "reduce-overhead" if self.on_cuda else "default"
-            compiled = torch.compile(function, fullgraph=True, dynamic=False, mode=mode)
+            compiled = torch.compile(decoding.step, fullgraph=True, dynamic=False, mode=mode)
             model, rules = self.model, self.rules
 
             def step(state: DecodeState, caches: DecodeCaches) -> None:
-                compiled(model, rules, state, caches)
+                compiled(model, rules, state, caches, FIXED, sample)
 
             self._steps[sample] = step
         return step
@@ -353,9 +461,11 @@ class Engine:
         self.counters.recompiles = max(0, self.counters.graphs - len(self._steps))
 
     def _start(self) -> float:
-        self.sync_if_timed()
+        if self.timed:
+            self.sync()
         return time.perf_counter()
 
     def _stop(self, started: float) -> float:
-        self.sync_if_timed()
+        if self.timed:
+            self.sync()
         return time.perf_counter() - started

@@ -45,25 +45,19 @@ class KVCache:
 @dataclass
 class DecodeCaches:
     """The KV caches of one decode: per decoder layer, self-attention (B, H, L, D) and
-    cross-attention (B, H, S, D), in the weights' dtype.
-
-    `source` is the encoder output the cross caches were projected from.
-    """
+    cross-attention (B, H, S, D), in the weights' dtype."""
 
     self_attn: list[KVCache]
     cross: list[KVCache]
-    source: torch.Tensor
 
     @property
-    def length(self) -> int:
-        return self.self_attn[0].k.shape[2]
+    def rows(self) -> int:
+        return self.cross[0].k.shape[0]
 
     def select(self, rows: torch.Tensor) -> DecodeCaches:
         """The caches of `rows` only (the eager path drops finished rows)."""
         return DecodeCaches(
-            [c.select(rows) for c in self.self_attn],
-            [c.select(rows) for c in self.cross],
-            self.source.index_select(0, rows),
+            [c.select(rows) for c in self.self_attn], [c.select(rows) for c in self.cross]
         )
 
     def cross_kv(self) -> list[KV]:
@@ -71,6 +65,23 @@ class DecodeCaches:
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for c in (*self.self_attn, *self.cross) for t in (c.k, c.v)]
+
+
+@dataclass(frozen=True)
+class Extent:
+    """The self-attention cache slots a decoder call reads.
+
+    written: the slots written once this call's tokens are (eager calls; the positions
+    are consecutive and end at written - 1): attention reads only those, causal among
+    the call's own tokens, with no mask to build. None: the whole cache under a causal
+    mask built from the positions, so that shapes are fixed for a given (B, T) and the
+    one-token step compiles once and replays.
+    """
+
+    written: int | None = None
+
+
+FIXED = Extent()  # the compiled step's
 
 
 @dataclass(frozen=True)
@@ -150,49 +161,30 @@ class Attention(nn.Module):
         b, h, t, d = y.shape
         return self.out_proj(y.transpose(1, 2).reshape(b, t, h * d))
 
-    def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
-        """Uncached full self-attention (the encoder; causal: a whole decoder sequence)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Uncached full self-attention (the encoder)."""
         q, k, v = (self.split_heads(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
-        return self.attend(q, k, v, causal=causal)
+        return self.attend(q, k, v)
 
-    def forward_cached_self(
-        self,
-        x: torch.Tensor,
-        cache: KVCache,
-        positions: torch.Tensor,
-        mask: torch.Tensor | None,
-        visible: int,
+    def forward_self(
+        self, x: torch.Tensor, cache: KVCache, positions: torch.Tensor, extent: Extent
     ) -> torch.Tensor:
-        """Causal self-attention: write this step's K/V at `positions`, attend over the cache.
-
-        With a mask (the fixed-shape step): over the whole cache. Without: over its first
-        `visible` slots, the positions written so far (see Decoder.forward).
-        """
+        """Causal self-attention: write these tokens' K/V at `positions`, attend over the
+        cache as far as `extent` says."""
         q, k, v = (self.split_heads(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
         cache.write(positions, k, v)
-        if mask is not None:
+        if extent.written is None:
+            # Position p sees cache slots 0..p.  (T, L) bool
+            mask = torch.arange(cache.k.shape[2], device=x.device) <= positions[:, None]
             return self.attend(q, cache.k, cache.v, mask)
-        k, v = cache.k[:, :, :visible], cache.v[:, :, :visible]
-        return self.attend(q, k, v, causal=q.shape[2] > 1)  # a prompt from position 0
+        k, v = cache.k[:, :, : extent.written], cache.v[:, :, : extent.written]
+        return self.attend(q, k, v, causal=q.shape[2] > 1)  # several tokens: from position 0
 
-    def forward_cross(self, x: torch.Tensor, kv: KV) -> torch.Tensor:
-        """Cross-attention over the encoder's K/V (projected once per batch)."""
-        return self.attend(self.split_heads(self.q_proj(x)), *kv)
-
-    def cross_kv(self, audio: torch.Tensor) -> KV:
-        """(B, S, C) encoder output -> its cross-attention K and V, (B, H, S, D) each.
-
-        Made contiguous once per batch: every step reads them whole, and over the strided
-        view of (B, S, C) (one head's rows C values apart) CPU attention ran 1.5x slower
-        (Zen 3, f32, B 16, S 1500: SDPA 10.0 ms a layer against 6.6).
-        """
-        k, v = (self.split_heads(p(audio)).contiguous() for p in (self.k_proj, self.v_proj))
-        return k, v
-
-    def forward_cross_scores(
-        self, x: torch.Tensor, kv: KV, heads: torch.Tensor | None
+    def forward_cross(
+        self, x: torch.Tensor, kv: KV, heads: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Cross-attention over `kv`, and the scores of the given heads.
+        """Cross-attention over the encoder's K/V (projected once per batch), and the
+        scores of the given heads (word timing) or None.
 
         scaled_dot_product_attention returns no weights, so they are computed explicitly,
         for these heads only, as openai-whisper does: (q * D^-1/4) @ (k * D^-1/4)^T, in
@@ -205,6 +197,15 @@ class Attention(nn.Module):
             scale = q.shape[-1] ** -0.25
             scores = (q[:, heads] * scale) @ (k[:, heads] * scale).transpose(-1, -2)
         return self.attend(q, k, v), scores
+
+    def cross_kv(self, audio: torch.Tensor) -> KV:
+        """(B, S, C) encoder output -> its cross-attention K and V, (B, H, S, D) each.
+
+        Made contiguous once per batch: every step reads them whole, and CPU attention
+        over the strided view of (B, S, C) (one head's rows C values apart) is slower.
+        """
+        k, v = (self.split_heads(p(audio)).contiguous() for p in (self.k_proj, self.v_proj))
+        return k, v
 
 
 class EncoderLayer(nn.Module):
@@ -235,26 +236,16 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        self_cache: KVCache,
+        cache: KVCache,
         cross: KV,
         positions: torch.Tensor,
-        mask: torch.Tensor | None,
-        visible: int,
-    ) -> torch.Tensor:
-        x = x + self.self_attn.forward_cached_self(
-            self.self_attn_layer_norm(x), self_cache, positions, mask, visible
-        )
-        x = x + self.encoder_attn.forward_cross(self.encoder_attn_layer_norm(x), cross)
-        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
-
-    def forward_aligned(
-        self, x: torch.Tensor, kv: KV, heads: torch.Tensor | None
+        extent: Extent,
+        heads: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A whole sequence from position 0, uncached (see Decoder.forward_aligned)."""
-        x = x + self.self_attn(self.self_attn_layer_norm(x), causal=True)
-        y, scores = self.encoder_attn.forward_cross_scores(
-            self.encoder_attn_layer_norm(x), kv, heads
-        )
+        """(B, T, C) -> (B, T, C), and the cross-attention scores of `heads` (see
+        Attention.forward_cross)."""
+        x = x + self.self_attn.forward_self(self.self_attn_layer_norm(x), cache, positions, extent)
+        y, scores = self.encoder_attn.forward_cross(self.encoder_attn_layer_norm(x), cross, heads)
         x = x + y
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x)))), scores
 
@@ -304,7 +295,7 @@ class Encoder(nn.Module):
         x = F.gelu(self.conv1(mel))
         # (B, C, S) -> (B, S, C), made contiguous once: the residual stream would
         # otherwise keep the transposed layout through every add, and each layer norm
-        # would copy it (Zen 3, f32, B 16: 9 copies and strided adds, 7% of the encoder).
+        # would copy it.
         x = F.gelu(self.conv2(x)).transpose(1, 2).contiguous()
         x = x + self.embed_positions.weight[: x.shape[1]]
         for layer in self.layers:
@@ -329,18 +320,22 @@ class Decoder(nn.Module):
         # copy of its own (quantize.Int8Linear), the embedding staying for the lookup.
         self.proj_out: nn.Module | None = None
 
-    def new_caches(self, audio: torch.Tensor, length: int) -> DecodeCaches:
+    def new_caches(
+        self, audio: torch.Tensor, length: int, cross: list[KV] | None = None
+    ) -> DecodeCaches:
         """Caches for decoding `audio` (B, S, C): self-attention slots for `length`
         positions (zeros; a slot is read only once written) and every layer's cross K/V,
-        projected once, in the weights' dtype and device."""
+        projected once (or `cross`, projected before from the same audio), in the
+        weights' dtype and device."""
         b = audio.shape[0]
         w = self.embed_tokens.weight
         shape = (b, self.heads, length, w.shape[1] // self.heads)
         self_attn = [
             KVCache(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(len(self.layers))
         ]
-        cross = [KVCache(*layer.encoder_attn.cross_kv(audio)) for layer in self.layers]
-        return DecodeCaches(self_attn, cross, audio)
+        if cross is None:
+            cross = [layer.encoder_attn.cross_kv(audio) for layer in self.layers]
+        return DecodeCaches(self_attn, [KVCache(k, v) for k, v in cross])
 
     def fill_caches(self, caches: DecodeCaches, audio: torch.Tensor) -> None:
         """Refill `caches` in place for a new batch `audio` of the same shape (a compiled
@@ -350,35 +345,40 @@ class Decoder(nn.Module):
             k, v = layer.encoder_attn.cross_kv(audio)
             cache.k.copy_(k)
             cache.v.copy_(v)
-        caches.source = audio
 
     def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, caches: DecodeCaches, extent: Extent
+    ) -> torch.Tensor:
+        """Tokens (B, T) at positions (T,) -> logits (B, T, V): a decode step (T 1), a
+        prompt, or the language pass."""
+        return self.logits(self.hidden(tokens, positions, caches, extent)[0])
+
+    def hidden(
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
         caches: DecodeCaches,
-        visible: int | None = None,
-    ) -> torch.Tensor:
-        """One decode step (or the prompt): tokens (B, T) at positions (T,) -> logits (B, T, V).
-
-        Without `visible`, self-attention runs over the whole cache under a causal mask, so
-        shapes are fixed for a given (B, T) and the single-token step can be compiled once
-        and replayed. Eager callers pass `visible`, the number of cache slots written once
-        these tokens are (positions are consecutive, ending at visible - 1): attention then
-        reads only those, with no mask to build.
-        """
-        if visible is not None and 1 < tokens.shape[1] != visible:
+        extent: Extent,
+        heads: dict[int, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens (B, T) at positions (T,) -> the final hidden states (B, T, C), and the
+        cross-attention scores of the heads `heads` names ({layer: head indices}; word
+        timing), (B, n_heads, T, S) in the model dtype, ordered by layer then head (None
+        without heads)."""
+        if extent.written is not None and 1 < tokens.shape[1] != extent.written:
             raise ValueError("an eager call of several tokens must start at position 0")
+        heads = heads or {}
         x = self.embed_tokens(tokens) + self.embed_positions(positions)
-        mask = None
-        if visible is None:
-            # Position p sees cache slots 0..p.  (T, L) bool
-            mask = torch.arange(caches.length, device=tokens.device) <= positions[:, None]
-        for layer, self_cache, cross in zip(
-            self.layers, caches.self_attn, caches.cross, strict=True
+        scores = []
+        for index, (layer, cache, cross) in enumerate(
+            zip(self.layers, caches.self_attn, caches.cross, strict=True)
         ):
-            x = layer(x, self_cache, (cross.k, cross.v), positions, mask, visible or 0)
-        return self.logits(self.layer_norm(x))
+            x, layer_scores = layer(
+                x, cache, (cross.k, cross.v), positions, extent, heads.get(index)
+            )
+            if layer_scores is not None:
+                scores.append(layer_scores)
+        return self.layer_norm(x), torch.cat(scores, dim=1) if scores else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) logits."""
@@ -386,31 +386,6 @@ class Decoder(nn.Module):
             return self.proj_out(hidden)
         # The output projection is tied to the embedding; the kernel is the plan's.
         return kernels.logits(hidden, self.embed_tokens.weight, self.plan)
-
-    def forward_aligned(
-        self,
-        tokens: torch.Tensor,
-        audio: torch.Tensor,
-        heads: dict[int, torch.Tensor],
-        cross: list[KV] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher-forced pass for word timing: whole sequences (B, T) from position 0.
-
-        Returns the final hidden states (B, T, C) (logits via `logits`, in slices: all T
-        at once would be B * T * V) and the cross-attention scores of the alignment heads
-        `heads` ({layer: head indices}), (B, n_heads, T, S), in the model dtype, ordered
-        by layer then head. `cross`: the decode's cross K/V of this `audio` (B, S, C), per
-        layer; without them they are projected again.
-        """
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.embed_tokens(tokens) + self.embed_positions(positions)
-        scores = []
-        for index, layer in enumerate(self.layers):
-            kv = cross[index] if cross is not None else layer.encoder_attn.cross_kv(audio)
-            x, layer_scores = layer.forward_aligned(x, kv, heads.get(index))
-            if layer_scores is not None:
-                scores.append(layer_scores)
-        return self.layer_norm(x), torch.cat(scores, dim=1)
 
 
 class Whisper(nn.Module):

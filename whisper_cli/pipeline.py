@@ -26,20 +26,17 @@ import torch
 from whisper_cli.audio import AudioSource, open_audio
 from whisper_cli.decoding import DecodedRow, DecodeOptions, LanguageGuess
 from whisper_cli.dtypes import dtype_name
-from whisper_cli.engine import Engine
+from whisper_cli.engine import Decoded, Engine, WindowInput
 from whisper_cli.errors import InputError, WhisperCliError
-from whisper_cli.features import batch_log_mel
 from whisper_cli.judge import Judgement, judge
 from whisper_cli.loading import LoadedModel
 from whisper_cli.options import Policy, TranscribeOptions, check_options, run_latency
 from whisper_cli.progress import FINDING_SPEECH, Progress, Reporter
 from whisper_cli.results import Segment, Transcript, TranscriptWarning
-from whisper_cli.rules import SkipLimits, SpeechGrid
 from whisper_cli.scheduler import Counters, Failed, Finished, Job, Scheduler, Settled, Track
 from whisper_cli.segments import attach_words
-from whisper_cli.speech import FRAME_SECONDS, load_detector
-from whisper_cli.timing import Aligner, AlignRow
-from whisper_cli.tokenizer import TIME_PRECISION
+from whisper_cli.speech import load_detector
+from whisper_cli.timing import AlignRow
 from whisper_cli.windows import WindowCutter
 
 __all__ = ["Counters", "Policy", "Progress", "TranscribeOptions", "Transcriber", "check_options"]
@@ -101,7 +98,6 @@ class Transcriber:
             max_prompt = loaded.config.max_target_positions // 2 - 1
             prompt = tuple(tokenizer.encode_text(" " + options.initial_prompt.strip()))
             prompt = prompt[-max_prompt:]
-        p = self.policy
         self.engine = Engine(
             loaded,
             DecodeOptions(
@@ -109,22 +105,14 @@ class Transcriber:
                 timestamps=options.timestamps,
                 max_new_tokens=options.max_new_tokens,
                 prompt_tokens=prompt,
-                loop_check_every=p.loop_check_every,
-                max_loop_period=p.max_loop_period,
-                min_loop_span=p.min_loop_span,
-                skip=SkipLimits.from_seconds(
-                    p.segment_speech_seconds,
-                    p.segment_speech_per_token_seconds,
-                    p.gap_speech_seconds,
-                ),
+                policy=self.policy,
             ),
             compile=options.compile,
-            retain_cross=options.word_timestamps,
+            words=options.word_timestamps,
             timed=timed,
         )
         # The map also places the cuts with the detector off, so it is always loaded.
         self.detector = load_detector()
-        self.aligner = Aligner(loaded, options.task) if options.word_timestamps else None
         self.rows = options.batch_size  # halved for the rest of the run on out-of-memory
         self.counters = Counters()
         self._results: list[_Result] = []  # per input of the run in progress
@@ -156,36 +144,11 @@ class Transcriber:
         and all before them are final (they are also in its Transcript, given after them).
         An input may also be an AudioSource already opened (and so validated) by the caller.
         """
-        sources: list[AudioSource] = []
-        for path in paths:
-            try:
-                sources.append(
-                    path
-                    if isinstance(path, AudioSource)
-                    else open_audio(path, channel=self.options.channel, stdin=stdin)
-                )
-            except InputError as exc:
-                on_error(exc)
+        sources = self._open(paths, on_error, stdin)
         known = all(s.info.duration for s in sources)
         total = sum(s.info.duration or 0.0 for s in sources) if known else 0.0
         self._results = [_Result() for _ in sources]
-        latency = run_latency(self.options.latency, any(s.live for s in sources))
-        scheduler = Scheduler(
-            sources,
-            lambda i: WindowCutter(
-                self.detector,
-                self.policy,
-                vad=self.options.vad,
-                source=i,
-                latency=latency,
-                waited=sources[i].waited,
-            ),
-            self.options.batch_size,
-            len(self.policy.temperatures),
-            self.counters,
-            rows=lambda: self.rows,
-            latency=latency,
-        )
+        scheduler = self._scheduler(sources)
 
         def report() -> None:
             for event in scheduler.events():
@@ -206,6 +169,44 @@ class Transcriber:
             report()
             reporter.settled()
         report()
+
+    def _open(
+        self,
+        paths: Iterable[str | AudioSource],
+        on_error: Callable[[InputError], None],
+        stdin,
+    ) -> list[AudioSource]:
+        """The inputs that open, as audio sources; each that does not, to on_error."""
+        sources: list[AudioSource] = []
+        for path in paths:
+            try:
+                sources.append(
+                    path
+                    if isinstance(path, AudioSource)
+                    else open_audio(path, channel=self.options.channel, stdin=stdin)
+                )
+            except InputError as exc:
+                on_error(exc)
+        return sources
+
+    def _scheduler(self, sources: list[AudioSource]) -> Scheduler:
+        latency = run_latency(self.options.latency, any(s.live for s in sources))
+        return Scheduler(
+            sources,
+            lambda i: WindowCutter(
+                self.detector,
+                self.policy,
+                vad=self.options.vad,
+                source=i,
+                latency=latency,
+                waited=sources[i].waited,
+            ),
+            self.options.batch_size,
+            len(self.policy.temperatures),
+            self.counters,
+            rows=lambda: self.rows,
+            latency=latency,
+        )
 
     def _decode_batch(self, batch: list[Job]) -> list[Job]:
         """Decode a batch in chunks of self.rows; out of memory halves self.rows and retries.
@@ -237,95 +238,78 @@ class Transcriber:
             done += len(chunk)
         return again
 
-    def _encode(self, batch: list[Job]) -> torch.Tensor:
-        """(rows, S, C) encoder output of the batch, padding rows after it (see rows_for);
-        only the windows not encoded before pass through the encoder."""
-        n_rows = self.engine.rows_for(len(batch), self.rows)
-        fresh = [r for r, j in enumerate(batch) if j.features is None]
-        encoded = None
-        if len(fresh) + n_rows - len(batch):
-            mel = batch_log_mel(
-                [batch[r].window.audio for r in fresh],
-                len(fresh) + n_rows - len(batch),
-                self.loaded.config.num_mel_bins,
-                self.loaded.policy.device,
-            )
-            encoded = self.engine.encode(mel)  # the fresh rows, then the padding
-        if len(fresh) == len(batch):
-            return encoded
-        kept = [r for r, j in enumerate(batch) if j.features is not None]
-        like = batch[kept[0]].features
-        features = like.new_empty((n_rows, *like.shape))
-        features[kept] = torch.stack([batch[r].features for r in kept])
-        if encoded is not None:
-            features[fresh] = encoded[: len(fresh)]
-            features[len(batch) :] = encoded[len(fresh) :]
-        return features
-
-    def _speech_grid(self, batch: list[Job]) -> SpeechGrid | None:
-        """Each window's speech map on the timestamp grid, for the rules that keep a decode
-        from ending before speech or passing over it (with the detector off too: they
-        never drop text, they keep the decoder writing)."""
-        if not self.options.timestamps:
-            return None
-        n_ts = self.loaded.config.vocab_size - self.loaded.tokenizer.special.timestamp_begin
-        p = self.policy
-        after = np.zeros((len(batch), n_ts), dtype=bool)
-        before = np.zeros((len(batch), n_ts), dtype=np.int64)
-        for r, job in enumerate(batch):
-            after[r] = speech_after_timestamps(
-                job.window.speech, n_ts, p.min_speech_seconds, p.end_slack_seconds
-            )
-            before[r] = speech_before_timestamps(job.window.speech, n_ts)
-        device = self.loaded.policy.device
-        return SpeechGrid(torch.from_numpy(after).to(device), torch.from_numpy(before).to(device))
-
     def _decode_rows(self, batch: list[Job], offset: int = 0) -> list[Job]:
-        """offset: where these rows lie in the scheduler's batch (for progress)."""
+        """Decode a batch of jobs and judge each row; returns the jobs to decode again.
+
+        offset: where these rows lie in the scheduler's batch (for progress)."""
         reporter = self._reporter
         reporter.encoding()
-        features = self._encode(batch)
         self.counters.batches += 1
-        languages = self._languages(batch, features)
-        temperatures = [self.policy.temperatures[j.attempt] for j in batch]
-        seeds = [self._seed(j) for j in batch]
         watch = None if reporter.on_progress is None else partial(reporter.rows, offset)
-        rows = self.engine.decode(
-            features, languages, self._speech_grid(batch), temperatures, seeds, watch
+        decoded = self.engine.run(
+            [self._window_input(j) for j in batch],
+            partial(self._pick_languages, batch),
+            pad_to=self.rows,
+            on_rows=watch,
         )
+        for job, row in zip(batch, decoded.rows, strict=True):
+            job.language = row.language
         # Attempts decoded ahead: (their job, attempt) -> row.
         ahead = {
             (id(j.ahead_of), j.attempt): row
-            for j, row in zip(batch, rows, strict=True)
+            for j, row in zip(batch, decoded.rows, strict=True)
             if j.ahead_of is not None
         }
         again: list[Job] = []
         final: list[tuple[int, Job, Judgement]] = []
-        for r, (job, row) in enumerate(zip(batch, rows, strict=True)):
+        for r, (job, row) in enumerate(zip(batch, decoded.rows, strict=True)):
             if job.ahead_of is not None:
                 continue  # read through its job below
-            verdict = self._judge(job, row)
-            while not verdict.final:
-                job.attempt += 1
-                self.counters.fallbacks += 1
-                row = ahead.get((id(job), job.attempt))
-                if row is None:
-                    break
-                verdict = self._judge(job, row)
+            verdict = self._verdict(job, row, ahead)
             if not verdict.final:  # its next attempt was not decoded ahead: queued again
-                job.features = features[r].clone()  # not a view holding the whole batch
+                job.features = decoded.kept(r)
                 again.append(job)
                 continue
             job.features = None
-            result = self._results[job.window.source]
-            if not verdict.silent:
-                result.hit_max_tokens += verdict.row.hit_max_tokens
-                result.looped += verdict.row.looped
-            result.too_repetitive += verdict.repetitive
-            self.counters.dropped += verdict.over_non_speech
+            self._count(job, verdict)
             final.append((r, job, verdict))
-        self._attach(batch, features, final)
+        self._attach(batch, decoded, final)
         return again
+
+    def _window_input(self, job: Job) -> WindowInput:
+        w = job.window
+        return WindowInput(
+            audio=w.audio,
+            features=job.features,
+            language=self._language_of(job),
+            temperature=self.policy.temperatures[job.attempt],
+            seed=self._seed(job),
+            speech=w.speech,
+        )
+
+    def _verdict(
+        self, job: Job, row: DecodedRow, ahead: dict[tuple[int, int], DecodedRow]
+    ) -> Judgement:
+        """The judge's verdict on a job's row, and on its attempts decoded ahead while
+        the verdict sends it back."""
+        verdict = self._judge(job, row)
+        while not verdict.final:
+            job.attempt += 1
+            self.counters.fallbacks += 1
+            row = ahead.get((id(job), job.attempt))
+            if row is None:
+                break
+            verdict = self._judge(job, row)
+        return verdict
+
+    def _count(self, job: Job, verdict: Judgement) -> None:
+        """What the guards and limits cut of a final window, for its input's warnings."""
+        result = self._results[job.window.source]
+        if not verdict.silent:
+            result.hit_max_tokens += verdict.row.hit_max_tokens
+            result.looped += verdict.row.looped
+        result.too_repetitive += verdict.repetitive
+        self.counters.dropped += verdict.over_non_speech
 
     def _judge(self, job: Job, row: DecodedRow) -> Judgement:
         job.attempts.append(row)
@@ -334,14 +318,14 @@ class Transcriber:
         )
 
     def _attach(
-        self, batch: list[Job], features: torch.Tensor, final: list[tuple[int, Job, Judgement]]
+        self, batch: list[Job], decoded: Decoded, final: list[tuple[int, Job, Judgement]]
     ) -> None:
         """The batch's finished windows' segments to their inputs: with their words, from
         one alignment pass over the batch, when words are asked for.
 
         A row that falls back is aligned with no text here; it is aligned in the batch
         where it finishes (its encoder output is the same there)."""
-        if self.aligner is None:
+        if not self.options.word_timestamps:
             for _, job, verdict in final:
                 self._results[job.window.source].pending[job.window.index] = verdict.segments
             return
@@ -349,11 +333,7 @@ class Transcriber:
         for r, job, verdict in final:
             tokens = sum((s.tokens for s in verdict.segments), ())
             text[r] = AlignRow(tokens, len(job.window.audio), verdict.row.language)
-        self.engine.sync_if_timed()
-        started = time.perf_counter()
-        aligned = self.aligner.align(features, text, self.engine.cross_kv(features))
-        self.engine.sync_if_timed()
-        self.counters.align_s += time.perf_counter() - started
+        aligned = self.engine.align(decoded, text)
         for r, job, verdict in final:
             result = self._results[job.window.source]
             # openai-whisper's last_speech: where the input's speech before this window ends
@@ -369,44 +349,43 @@ class Transcriber:
         w = job.window
         return (self.policy.seed * 1_000_003 + w.first_sample * 31 + job.attempt) % (2**63)
 
-    def _languages(self, batch: list[Job], features: torch.Tensor) -> list[str | None]:
-        """The language of each row: given, per input, or per window (--multilingual).
-
-        Per input, the probabilities of its first windows in the batch are pooled, each
-        weighted by the speech it holds, over up to policy.language_seconds of speech: an
-        intro of music or noise (little speech) barely counts.
-        """
+    def _language_of(self, job: Job) -> str | None:
+        """A job's language if it is known before the batch: given, its window's (a
+        fallback keeps it), or its input's (found in an earlier batch); None: the
+        language pass decides (see _pick_languages)."""
         if not self.loaded.tokenizer.is_multilingual:
-            return [None] * len(batch)
+            return None
         if self.options.language is not None:
-            return [self.options.language] * len(batch)
-        need = [
-            r
-            for r, j in enumerate(batch)
-            if j.language is None
-            and (self.options.multilingual or self._results[j.window.source].language is None)
+            return self.options.language
+        if job.language is not None:
+            return job.language
+        known = self._results[job.window.source].language
+        return known.code if known is not None and not self.options.multilingual else None
+
+    def _pick_languages(self, batch: list[Job], codes: list[str], probs: np.ndarray) -> list[str]:
+        """The languages of a batch's rows from the language pass: each row its own
+        (--multilingual), or per input, the probabilities of its first windows in the
+        batch pooled, each weighted by the speech it holds, over up to
+        policy.language_seconds of speech (an intro of music or noise barely counts)."""
+        need = [r for r, j in enumerate(batch) if self._language_of(j) is None]
+        if self.options.multilingual:
+            for r in need:
+                best = int(probs[r].argmax())
+                batch[r].language = codes[best]
+                result = self._results[batch[r].window.source]
+                result.language = result.language or LanguageGuess(
+                    codes[best], float(probs[r, best])
+                )
+        else:
+            by_input: dict[int, list[int]] = {}
+            for r in need:
+                by_input.setdefault(batch[r].window.source, []).append(r)
+            for source, rows in by_input.items():
+                self._results[source].language = self._pooled(codes, probs, batch, rows)
+        return [
+            j.language if j.language is not None else self._results[j.window.source].language.code
+            for j in batch
         ]
-        if need:
-            # One step over the whole batch (fixed shape), read for the rows that need it.
-            codes, probs = self.engine.language_probs(features)
-            probs = probs.cpu().numpy()
-            if self.options.multilingual:
-                for r in need:
-                    best = int(probs[r].argmax())
-                    batch[r].language = codes[best]
-                    self._results[batch[r].window.source].language = self._results[
-                        batch[r].window.source
-                    ].language or LanguageGuess(codes[best], float(probs[r, best]))
-            else:
-                by_input: dict[int, list[int]] = {}
-                for r in need:
-                    by_input.setdefault(batch[r].window.source, []).append(r)
-                for source, rows in by_input.items():
-                    self._results[source].language = self._pooled(codes, probs, batch, rows)
-        for job in batch:
-            if job.language is None:
-                job.language = self._results[job.window.source].language.code
-        return [j.language for j in batch]
 
     def _pooled(
         self, codes: list[str], probs: np.ndarray, batch: list[Job], rows: list[int]
@@ -493,38 +472,3 @@ class Transcriber:
                 )
             )
         return found
-
-
-def _timestamp_frames(n_timestamps: int, n_frames: int) -> np.ndarray:
-    """(n_timestamps,) the first speech-map frame at or after each timestamp."""
-    frames = np.ceil(np.arange(n_timestamps) * TIME_PRECISION / FRAME_SECONDS - 1e-9)
-    return np.minimum(frames.astype(np.int64), n_frames)
-
-
-def speech_before_timestamps(speech: np.ndarray, n_timestamps: int) -> np.ndarray:
-    """(n_timestamps,) int64: the speech frames before each timestamp, in timestamp steps
-    (TIME_PRECISION), the unit of rules.SkipLimits."""
-    before = np.concatenate(([0], np.cumsum(speech, dtype=np.int64)))
-    frames = before[_timestamp_frames(n_timestamps, len(speech))]
-    return np.round(frames * (FRAME_SECONDS / TIME_PRECISION)).astype(np.int64)
-
-
-def speech_after_timestamps(
-    speech: np.ndarray, n_timestamps: int, min_seconds: float, slack_seconds: float = 0.0
-) -> np.ndarray:
-    """(n_timestamps,) bool: where a decode may not end, from the window's speech map.
-
-    At least `min_seconds` of speech frames must lie after the timestamp (20 ms apart),
-    not counting the first `slack_seconds` of a stretch of speech that runs on through
-    it: the model dates an utterance's end up to that much early, and holding the decode
-    open for the rest of the utterance it has just written makes it write that again.
-    Speech after a pause always counts: it is an utterance the decode has not reached.
-    """
-    n = len(speech)
-    after = np.append(np.cumsum(speech[::-1])[::-1], 0)  # speech frames from frame f on
-    run = np.zeros(n + 1, dtype=np.int64)  # frames of speech running on from frame f
-    for f in range(n - 1, -1, -1):
-        run[f] = run[f + 1] + 1 if speech[f] else 0
-    frames = _timestamp_frames(n_timestamps, n)
-    forgiven = np.minimum(run[frames], round(slack_seconds / FRAME_SECONDS))
-    return (after[frames] - forgiven) * FRAME_SECONDS >= min_seconds - 1e-9

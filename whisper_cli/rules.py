@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from whisper_cli.dtypes import f32_logsumexp
 from whisper_cli.loading import LoadedModel
+from whisper_cli.speech import FRAME_SECONDS
 from whisper_cli.tokenizer import TIME_PRECISION
 
 NEG_INF = float("-inf")
@@ -25,6 +27,24 @@ class SpeechGrid:
 
     after: torch.Tensor  # bool: speech the decode has not reached lies after timestamp t
     before: torch.Tensor  # int64: speech before timestamp t, in TIME_PRECISION steps
+
+    @classmethod
+    def from_maps(
+        cls,
+        maps: list[np.ndarray],
+        n_timestamps: int,
+        min_seconds: float,
+        slack_seconds: float,
+        device: torch.device,
+    ) -> SpeechGrid:
+        """The grid of windows' speech maps (speech.FRAME_SECONDS frames, bool): see
+        speech_after_timestamps (min_seconds, slack_seconds) and speech_before_timestamps."""
+        after = np.zeros((len(maps), n_timestamps), dtype=bool)
+        before = np.zeros((len(maps), n_timestamps), dtype=np.int64)
+        for r, speech in enumerate(maps):
+            after[r] = speech_after_timestamps(speech, n_timestamps, min_seconds, slack_seconds)
+            before[r] = speech_before_timestamps(speech, n_timestamps)
+        return cls(torch.from_numpy(after).to(device), torch.from_numpy(before).to(device))
 
     def padded(self, rows: int) -> SpeechGrid:
         """With `rows` rows of no speech after these (a compiled batch's padding)."""
@@ -70,7 +90,6 @@ class Rules:
         cls,
         loaded: LoadedModel,
         timestamps: bool,
-        max_initial_timestamp: float,
         skip: SkipLimits | None = None,
     ) -> Rules:
         special = loaded.tokenizer.special
@@ -89,8 +108,8 @@ class Rules:
         if timestamps:
             suppress[special.no_timestamps] = True
             begin_suppress[special.no_timestamps] = True
-            # First token: a timestamp no later than max_initial_timestamp.
-            last_initial = ts_begin + round(max_initial_timestamp / 0.02)
+            # First token: a timestamp no later than the checkpoint's initial limit.
+            last_initial = ts_begin + gen.max_initial_timestamp_index
             begin_suppress |= (vocab < ts_begin) | (vocab > last_initial)
         return cls(
             suppress=suppress,
@@ -168,3 +187,41 @@ def apply_rules(
     stamps_win = stamps_lse > torch.maximum(others, eot_logit)
     logits[:, :ts_begin].masked_fill_(stamps_win[:, None], NEG_INF)
     return logits
+
+
+# --- the speech map on the timestamp grid ------------------------------------------------
+
+
+def _timestamp_frames(n_timestamps: int, n_frames: int) -> np.ndarray:
+    """(n_timestamps,) the first speech-map frame at or after each timestamp."""
+    frames = np.ceil(np.arange(n_timestamps) * TIME_PRECISION / FRAME_SECONDS - 1e-9)
+    return np.minimum(frames.astype(np.int64), n_frames)
+
+
+def speech_before_timestamps(speech: np.ndarray, n_timestamps: int) -> np.ndarray:
+    """(n_timestamps,) int64: the speech frames before each timestamp, in timestamp steps
+    (TIME_PRECISION), the unit of rules.SkipLimits."""
+    before = np.concatenate(([0], np.cumsum(speech, dtype=np.int64)))
+    frames = before[_timestamp_frames(n_timestamps, len(speech))]
+    return np.round(frames * (FRAME_SECONDS / TIME_PRECISION)).astype(np.int64)
+
+
+def speech_after_timestamps(
+    speech: np.ndarray, n_timestamps: int, min_seconds: float, slack_seconds: float = 0.0
+) -> np.ndarray:
+    """(n_timestamps,) bool: where a decode may not end, from the window's speech map.
+
+    At least `min_seconds` of speech frames must lie after the timestamp (20 ms apart),
+    not counting the first `slack_seconds` of a stretch of speech that runs on through
+    it: the model dates an utterance's end up to that much early, and holding the decode
+    open for the rest of the utterance it has just written makes it write that again.
+    Speech after a pause always counts: it is an utterance the decode has not reached.
+    """
+    n = len(speech)
+    after = np.append(np.cumsum(speech[::-1])[::-1], 0)  # speech frames from frame f on
+    run = np.zeros(n + 1, dtype=np.int64)  # frames of speech running on from frame f
+    for f in range(n - 1, -1, -1):
+        run[f] = run[f + 1] + 1 if speech[f] else 0
+    frames = _timestamp_frames(n_timestamps, n)
+    forgiven = np.minimum(run[frames], round(slack_seconds / FRAME_SECONDS))
+    return (after[frames] - forgiven) * FRAME_SECONDS >= min_seconds - 1e-9

@@ -49,7 +49,6 @@ class Counters:
     ahead: int = 0  # attempts decoded ahead in spare rows (used or not)
     dropped: int = 0  # segments dropped as text over non-speech (see judge.py)
     detector_s: float = 0.0  # wall time of the speech detector
-    align_s: float = 0.0  # wall time of the word-alignment passes (timed runs: synchronised)
 
 
 @dataclass(eq=False)

@@ -24,14 +24,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from whisper_cli.audio import SAMPLE_RATE
 from whisper_cli.dtypes import f32_alignment_weights, f32_log_softmax
+from whisper_cli.features import HOP_LENGTH
 from whisper_cli.loading import LoadedModel
-from whisper_cli.model import KV
+from whisper_cli.model import KV, Extent
 from whisper_cli.tokenizer import Tokenizer
 
 MEDIAN_FILTER_WIDTH = 7  # openai-whisper's medfilt_width
-FRAMES_PER_SECOND = 50  # encoder frames: one per 20 ms (two 10 ms mel frames)
-SAMPLES_PER_FRAME = 320  # 16 kHz samples per encoder frame
+SAMPLES_PER_FRAME = 2 * HOP_LENGTH  # samples per encoder frame (two mel frames): 20 ms
+FRAMES_PER_SECOND = SAMPLE_RATE // SAMPLES_PER_FRAME
 # Written without spaces between words: split into characters (whole code points) instead.
 NO_SPACE_LANGUAGES = frozenset({"zh", "ja", "th", "lo", "my", "yue"})
 # Merged into the following / previous word (openai-whisper's defaults).
@@ -42,8 +44,8 @@ SENTENCE_END_MARKS = ".。!！?？"
 MAX_MEDIAN_DURATION = 0.7  # seconds
 # Values filtered at a time: under torch's parallel grain size (32768), so each of the
 # filter's many small ops runs on one thread. Split across threads, each op waits at a
-# barrier, and on a busy CPU that wait (a descheduled thread) cost 100x the work: 2 s
-# per window instead of 20 ms (2 shared cores). Small slices also stay in the cache.
+# barrier, and on a busy CPU that wait (a descheduled thread) costs far more than the
+# work. Small slices also stay in the cache.
 MEDIAN_CHUNK = 1 << 14
 LOGITS_ROWS = 256  # positions projected to the vocabulary at a time (B * T * V is large)
 
@@ -340,9 +342,9 @@ class Aligner:
     ) -> list[WindowWords]:
         """features (B, S, C): the batch's encoder output; rows: its first len(rows) rows.
 
-        cross: the decode's cross K/V of `features`, per layer (Engine.cross_kv), so they
-        are not projected again; every row of `features` then goes through the pass (a
-        compiled run's padding rows as empty ones).
+        cross: the decode's cross K/V of `features`, per layer, so they are not projected
+        again; every row of `features` goes through the pass (a compiled run's padding
+        rows as empty ones).
         """
         eot = self.tokenizer.special.eot
         device = features.device
@@ -354,7 +356,11 @@ class Aligner:
         tokens = torch.full((len(sequences), t), eot, dtype=torch.long, device=device)
         for r, seq in enumerate(sequences):
             tokens[r, : len(seq)] = torch.tensor(seq, device=device)
-        hidden, scores = self.model.decoder.forward_aligned(tokens, features, self.heads, cross)
+        # A whole sequence from position 0 through the decoder, into caches of its length.
+        decoder = self.model.decoder
+        caches = decoder.new_caches(features, t, cross)
+        positions = torch.arange(t, device=device)
+        hidden, scores = decoder.hidden(tokens, positions, caches, Extent(t), self.heads)
 
         # Row b: text tokens n_b, path rows n_b + 1 (the last predicts end-of-text),
         # frames m_b of its own audio (never the padding after it).

@@ -514,8 +514,8 @@ def measure(
     wall = statistics.median(walls)
     transcript = runs[-1][1]
     audio_s = spec["n_samples"] / SAMPLE_RATE
-    transcriber_words = transcriber.aligner is not None
-    align_run = run_counters["align_s"]
+    transcriber_words = engine.aligner is not None
+    align_run = ran["align_s"]
     comparison = None
     if spec["against"]:
         language = transcript.language if loaded.tokenizer.is_multilingual else None
