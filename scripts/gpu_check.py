@@ -487,68 +487,38 @@ def stage_setup() -> dict[str, Any]:
     }
 
 
-class Forcing:
-    """Teacher forcing through the engine's own step: the logits each step sees and the
-    token it chooses are recorded, then the chosen token is replaced by the forced one
-    (so the next step feeds it). Wraps decoding.choose, which the engine's prefill and
-    every step (eager, or traced into the compiled graph) call."""
-
-    def __init__(self, rows: int, steps: int, vocab: int, dtype, device, forced=None) -> None:
-        import torch
-
-        self.logits = torch.zeros(rows, steps, vocab, dtype=dtype, device=device)
-        self.chosen = torch.zeros(rows, steps, dtype=torch.long, device=device)
-        self.forced = None if forced is None else forced.to(device)
-        if device.type == "cuda":  # fixed addresses, like the engine's own buffers
-            for t in (self.logits, self.chosen, self.forced):
-                if t is not None:
-                    torch._dynamo.mark_static_address(t)
-
-    def wrap(self, choose):
-        def forced_choose(rules, state, logits, sample):
-            at = state.index.clone().view(1)  # choose() advances the index in place
-            self.logits.index_copy_(1, at, logits[:, None])
-            choose(rules, state, logits, sample)
-            self.chosen.index_copy_(1, at, state.tokens.index_select(1, at))
-            if self.forced is not None:
-                state.tokens.index_copy_(1, at, self.forced.index_select(1, at))
-            state.finished.zero_()  # every row runs every step
-
-        return forced_choose
-
-
 def forced_decode(
     loaded, mel, steps: int, compiled: bool, forced=None, runs: int = 1, temperature: float = 0.0
 ):
     """(logits (B, steps, V), chosen (B, steps), encoder output) on the CPU, and timings.
 
+    Through the engine's own probe (decoding.Probe): every step's logits and choice are
+    recorded, and with `forced` the next step is fed the forced token instead.
     temperature > 0: every row draws (the engine's sampled step, seeded by its row)."""
-    from whisper_cli import decoding
-    from whisper_cli.decoding import DecodeOptions
-    from whisper_cli.engine import Engine
+    import numpy as np
+
+    from whisper_cli.decoding import DecodeOptions, Probe
+    from whisper_cli.engine import Engine, WindowInput
 
     device = loaded.model.device
     rows = mel.shape[0]
-    options = DecodeOptions(max_new_tokens=steps, loop_check_every=10**6)
-    engine = Engine(loaded, options, compile=compiled, shrink=False, timed=True)
-    language = ["en"] * rows
-    forcing = Forcing(rows, steps, loaded.config.vocab_size, loaded.model.dtype, device, forced)
-    original = decoding.choose
-    decoding.choose = forcing.wrap(original)
+    engine = Engine(
+        loaded, DecodeOptions(max_new_tokens=steps), compile=compiled, shrink=False, timed=True
+    )
+    probe = Probe.make(rows, steps, loaded.config.vocab_size, loaded.model.dtype, device, forced)
     walls = []
-    try:
-        features = engine.encode(mel.to(device))
-        for _ in range(runs):
-            sync(device)
-            started = time.perf_counter()
-            if temperature > 0:
-                engine.decode(features, language, None, [temperature] * rows, list(range(rows)))
-            else:
-                engine.decode(features, language)
-            sync(device)
-            walls.append(time.perf_counter() - started)
-    finally:
-        decoding.choose = original
+    features = engine.encode(mel.to(device))
+    silent = np.zeros(0, np.float32)
+    inputs = [
+        WindowInput(silent, features=f, language="en", temperature=temperature, seed=r)
+        for r, f in enumerate(features)
+    ]
+    for _ in range(runs):
+        sync(device)
+        started = time.perf_counter()
+        engine.run(inputs, probe=probe)
+        sync(device)
+        walls.append(time.perf_counter() - started)
     c = engine.counters
     info = {
         "walls_s": [round(w, 3) for w in walls],
@@ -558,7 +528,7 @@ def forced_decode(
         "graph_breaks": c.graph_breaks,
         "cudagraph_skips": c.cudagraph_skips,
     }
-    return forcing.logits.float().cpu(), forcing.chosen.cpu(), features.float().cpu(), info
+    return probe.logits.float().cpu(), probe.chosen.cpu(), features.float().cpu(), info
 
 
 PARITY_PATHS = (("f32", False), ("f32", True), ("bf16", False), ("bf16", True))
@@ -843,28 +813,28 @@ def stage_bench(name: str) -> dict[str, Any]:
     result_path = work_dir() / f"{name}.result.json"
     spec = bench._child_spec(config, run.dtype, audio, n_samples, result_path)
     windows: list[list[int]] = []  # each decoded window's tokens, in decode order
-    decode = Engine.decode
+    decode = Engine.run
 
     def recorded(self, *args, **kwargs):
-        rows = decode(self, *args, **kwargs)
-        windows.extend(list(row.tokens) for row in rows)
-        return rows
+        batch = decode(self, *args, **kwargs)
+        windows.extend(list(row.tokens) for row in batch.rows)
+        return batch
 
     compile_s: list[float | None] = []
 
     def warmed_up(partial: dict[str, Any]) -> None:
-        Engine.decode = decode  # the timed runs as shipped
+        Engine.run = decode  # the timed runs as shipped
         write_text(tokens_path(name), json.dumps(windows))
         compile_s.append(compile_seconds())
         partial["compile_s"] = compile_s[0]
         partial["warmup_rtfx"] = partial["audio_s"] / partial["warmup_wall_s"]
         save_partial(name, {"partial": "warm-up only", **partial})
 
-    Engine.decode = recorded
+    Engine.run = recorded
     try:
         result = dataclasses.asdict(bench.measure(spec, on_warmup=warmed_up))
     finally:
-        Engine.decode = decode
+        Engine.run = decode
     result.pop("text")
     result["compile_s"] = compile_s[0]
     plan = read_plan()
@@ -1256,24 +1226,16 @@ def real_steps(clip, n_samples: int) -> dict[str, dict[str, Any]]:
         loaded, TranscribeOptions(batch_size=BATCH, max_new_tokens=MAX_NEW_TOKENS)
     )
     engine = transcriber.engine
-    decodes: list[tuple[int, int]] = []  # (rows, forwards: the prefill and the steps)
-    decode = engine.decode
-
-    def counted(features, languages, *args, **kwargs):
-        before = engine.counters.steps
-        rows = decode(features, languages, *args, **kwargs)
-        decodes.append((len(languages), 1 + engine.counters.steps - before))
-        return rows
-
-    engine.decode = counted
     started = time.perf_counter()
     transcript = transcribe_source(transcriber, ArraySource(clip, n_samples))
-    full = [steps for rows, steps in decodes if rows == BATCH]
+    c = engine.counters
     return {
         name: {
             "wall_s": round(time.perf_counter() - started, 1),
-            "decodes": decodes,
-            "steps_per_batch": round(sum(full) / max(len(full), 1), 1),
+            "decodes": c.decodes,
+            # forwards (the prefill and the steps) per batch
+            "steps_per_batch": round((c.prefills + c.steps) / max(c.decodes, 1), 1),
+            "row_steps": c.row_steps,
             "tokens_per_window": round(
                 engine.counters.tokens / max(transcriber.counters.windows, 1), 1
             ),
