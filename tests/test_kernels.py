@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from whisper_cli import kernels
+from whisper_cli.model import Extent
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -609,8 +610,8 @@ def run_forward(loaded) -> torch.Tensor:
         audio = model.encoder(mel)
         caches = model.decoder.new_caches(audio, 16)
         tokens = torch.full((2, 3), loaded.tokenizer.special.sot)
-        model.decoder(tokens, torch.arange(3), caches, 3)
-        return model.decoder(tokens[:, :1], torch.tensor([3]), caches, 4)[:, 0]
+        model.decoder(tokens, torch.arange(3), caches, Extent(3))
+        return model.decoder(tokens[:, :1], torch.tensor([3]), caches, Extent(4))[:, 0]
 
 
 def test_a_model_built_with_a_plan_runs_its_choices(random_dir, monkeypatch):
@@ -695,7 +696,7 @@ def test_chosen_kernels_keep_a_real_bf16_model_as_exact_as_the_reference(monkeyp
             mel = batch_log_mel([audio], 1, loaded.config.num_mel_bins, torch.device("cpu"))
             features = model.encoder(encoder_input(mel, model.dtype))
             caches = model.decoder.new_caches(features, t)
-            out = model.decoder(tokens, torch.arange(t), caches, t)[0]  # (T, V)
+            out = model.decoder(tokens, torch.arange(t), caches, Extent(t))[0]  # (T, V)
         assert out.dtype == model.dtype
         return out.double()
 
@@ -838,7 +839,7 @@ def test_kept_f32_copies_give_a_real_bf16_model_the_per_call_upcast_logits(monke
             mel = batch_log_mel([audio], 1, loaded.config.num_mel_bins, torch.device("cpu"))
             features = model.encoder(encoder_input(mel, model.dtype))
             caches = model.decoder.new_caches(features, t)
-            return model.decoder(tokens, torch.arange(t), caches, t)
+            return model.decoder(tokens, torch.arange(t), caches, Extent(t))
 
     kept = logits()
     assert any(kind == "f32" for _, kind in kernels._DERIVED)
