@@ -1,0 +1,162 @@
+"""Where an eager decode step's time goes on this CPU, by kind of work.
+
+    python scripts/step_profile.py [--model models/tiny.en] [--dtype f32]
+        [--quantize none|int8] [--audio ten.wav] [--batch 16] [--json]
+
+Decodes one batch of `--batch` 30 s windows of `--audio` (English; the first windows of
+the file) with the engine as `transcribe` runs it (rows drop out as they finish), first
+untimed (a warm-up, which also makes the encoder outputs), then timed, then once more
+under torch.profiler. Prints the timed run's milliseconds per step and per row-step
+(engine counters), and the profiled run's self CPU time per step by group:
+
+- cross-attention: attention over the encoder's positions (the K/V read dominates);
+- self-attention: attention over the decoded tokens;
+- logits: the tied vocabulary projection;
+- linear layers: the decoder's other matrix products (any kernel, int8 ones too);
+- rules and choice: the logit rules, the argmax or draw, the chosen log-prob;
+- caches and row drops: cache writes, and the copies made when finished rows drop out;
+- norms and activations; other.
+
+Profiling adds a little to each op, so the groups' sum exceeds the timed step: read
+them as shares. Time nothing else beside it (two cores: other work shows up here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from whisper_cli.audio import SAMPLE_RATE, open_audio  # noqa: E402
+from whisper_cli.decoding import DecodeOptions  # noqa: E402
+from whisper_cli.dtypes import DTYPE_NAMES, DtypePolicy  # noqa: E402
+from whisper_cli.engine import Engine, WindowInput  # noqa: E402
+from whisper_cli.loading import load_model  # noqa: E402
+from whisper_cli.options import TranscribeOptions  # noqa: E402
+
+WINDOW = 30 * SAMPLE_RATE
+GROUPS = (
+    "cross-attention",
+    "self-attention",
+    "logits",
+    "linear layers",
+    "rules and choice",
+    "caches and row drops",
+    "norms and activations",
+    "other",
+)
+_ATTENTION = ("attention", "sdpa", "bmm", "baddbmm", "softmax")
+_LINEAR = ("mm", "addmm", "linear", "qlinear", "linear_dynamic", "int8pack", "mkldnn")
+_RULES = (
+    "masked_fill", "where", "argmax", "amax", "exp", "logsumexp", "sub", "gather",
+    "log_softmax", "cumsum", "eq", "ge", "lt", "gt", "le", "logical", "any", "all",
+    "clamp", "sum", "max", "lerp", "ne", "bitwise", "rsub", "div",
+)  # fmt: skip
+_CACHES = ("index_copy", "index_select", "index_put", "copy_", "clone", "cat", "stack")
+_NORMS = ("layer_norm", "gelu", "add", "mul")  # matched anywhere in the name
+
+
+def group_of(name: str, shapes: list, n_audio: int, vocab: int) -> str:
+    """The group of a profiled op, from its name and its inputs' shapes."""
+    op = name.split("::")[-1]
+    dims = {d for s in shapes if isinstance(s, list) for d in s}
+    if any(a in op for a in _ATTENTION):
+        return "cross-attention" if n_audio in dims else "self-attention"
+    if any(op == a or a in op for a in _LINEAR):
+        return "logits" if vocab in dims else "linear layers"
+    if any(op.startswith(a) for a in _CACHES):
+        return "caches and row drops"
+    if any(op.startswith(a) for a in _RULES):
+        return "rules and choice"
+    if any(a in op for a in _NORMS):
+        return "norms and activations"
+    return "other"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(REPO / "models" / "tiny.en"))
+    parser.add_argument("--dtype", default="f32", choices=sorted(DTYPE_NAMES))
+    parser.add_argument("--quantize", default="none", choices=("none", "int8"))
+    parser.add_argument("--audio", default=str(REPO.parent / "shared" / "audio" / "jfk.flac"))
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    policy = DtypePolicy(DTYPE_NAMES[args.dtype], torch.device("cpu"), args.quantize)
+    loaded = load_model(args.model, policy, TranscribeOptions(batch_size=args.batch))
+    audio = np.concatenate(list(open_audio(args.audio).blocks()))
+    audio = np.resize(audio, args.batch * WINDOW)  # the file repeated if it is shorter
+    rows = [
+        WindowInput(audio[i * WINDOW : (i + 1) * WINDOW], language="en") for i in range(args.batch)
+    ]
+    engine = Engine(loaded, DecodeOptions(), timed=True)
+    decoded = engine.run(rows)  # warm-up; its encoder outputs are reused below
+    kept = [
+        WindowInput(np.zeros(0, np.float32), features=f, language="en") for f in decoded.features
+    ]
+
+    before = dict(vars(engine.counters))
+    started = time.perf_counter()
+    engine.run(kept)
+    wall = time.perf_counter() - started
+    ran = {k: v - before[k] for k, v in vars(engine.counters).items()}
+    steps, row_steps = ran["steps"], ran["row_steps"]
+
+    with torch.profiler.profile(record_shapes=True) as prof:
+        engine.run(kept)
+    config = loaded.config
+    per_group: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages(group_by_input_shape=True):
+        group = group_of(
+            event.key, event.input_shapes, config.max_source_positions, config.vocab_size
+        )
+        per_group[group] += event.self_cpu_time_total / 1e3 / steps  # ms per step
+    report = {
+        "model": loaded.name,
+        "dtype": args.dtype,
+        "quantize": args.quantize,
+        "cpu": _cpu(),
+        "threads": torch.get_num_threads(),
+        "batch": args.batch,
+        "steps": steps,
+        "row_steps": row_steps,
+        "ms_per_step": round(ran["decode_s"] / steps * 1e3, 2),
+        "ms_per_row_step": round(ran["decode_s"] / row_steps * 1e3, 3),
+        "run_s": round(wall, 3),
+        "profile_ms_per_step": {g: round(per_group.get(g, 0.0), 2) for g in GROUPS},
+    }
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(
+        f"{report['model']} {args.dtype} quantize={args.quantize}; {report['cpu']}; "
+        f"{report['threads']} threads; batch {args.batch}"
+    )
+    print(
+        f"{steps} steps, {row_steps} row-steps: {report['ms_per_step']} ms a step, "
+        f"{report['ms_per_row_step']} ms a row-step"
+    )
+    total = sum(per_group.values())
+    print("| group | ms a step (profiled) | share |\n|---|---|---|")
+    for g in GROUPS:
+        print(f"| {g} | {per_group.get(g, 0.0):.2f} | {per_group.get(g, 0.0) / total:.0%} |")
+
+
+def _cpu() -> str:
+    from whisper_cli.kernels import cpu_model
+
+    return cpu_model()
+
+
+if __name__ == "__main__":
+    main()
