@@ -765,6 +765,29 @@ def test_each_int8_linear_matches_float64(dtype, lead):
         assert err <= bound, (name, err)
 
 
+def gelu_rows(m: int, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows as the encoder's fc2 takes them (after a GELU: each row's largest magnitude is
+    positive, its most negative value small), ranges 1000x apart."""
+    g = torch.Generator().manual_seed(seed)
+    x = F.gelu(torch.randn(m, k, generator=g)) * torch.logspace(-2, 1, m)[:, None]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_each_int8_linear_computes_every_row_on_its_own(dtype):
+    """A row's result does not depend on the other rows of its call: a call equals its two
+    halves, bit for bit, also where one half holds only rows of one sign (a grid taken from
+    the call's min and max would then differ between the halves and the whole)."""
+    weight, scale, bias = int8_layer(n=80, k=96)
+    x = gelu_rows(600, 96, 13, dtype)
+    x[300:] = -x[300:]  # the second half's rows reach their largest magnitude below zero
+    b = bias.to(dtype)
+    for name in kernels.int8_candidates(dtype):
+        whole = kernels.INT8_LINEAR[name](x, weight, scale, b)
+        halves = [kernels.INT8_LINEAR[name](x[r : r + 300], weight, scale, b) for r in (0, 300)]
+        assert torch.equal(whole, torch.cat(halves)), name
+
+
 def test_int8_choices_are_timed_and_saved_and_the_reference_runs_while_compiling(
     tmp_path, monkeypatch
 ):

@@ -403,21 +403,26 @@ def _rescale(out: Tensor, amax: Tensor, bias: Tensor | None, x: Tensor, n: int) 
     return out.view(*x.shape[:-1], n).to(x.dtype)
 
 
+# The activations' quantization of unit rows (_unit_rows), fixed: x = (q - zero) * scale, q
+# in [1, 127] (7 bits: without VNNI, u8 x s8 pair sums saturate int16 at 8 bits). A grid
+# that depends on nothing else in the call quantizes every row on its own, so a row's
+# result is the same alone, in a batch or in a tile of a larger call (int8_linear).
+_X_SCALE = 1 / 63
+_X_ZERO = 64
+
+
 def _int8_fbgemm(x, weight, scale, bias, prepared=None):
-    """fbgemm's dynamic int8 linear with activations quantized per row (_unit_rows): fbgemm
-    quantizes the unit rows to 7-bit unsigned (reduce_range: AVX2's u8 x s8 pair sums
-    saturate int16 at 8 bits) and runs an int8 GEMM accumulating in int32."""
+    """fbgemm's int8 linear with activations quantized per row (_unit_rows) on the fixed
+    grid (_X_SCALE, _X_ZERO), an int8 GEMM accumulating in int32 and the weight's scales
+    applied in float32. (Its dynamic variant takes the grid from the call's min and max:
+    a row's result would depend on the other rows.)"""
     if prepared is None:
         prepared = _derived(weight, "fbgemm", lambda: _fbgemm_prepare(weight, scale, None))
     rows, amax = _unit_rows(x)
-    out = torch.ops.quantized.linear_dynamic(rows, prepared, True)
+    out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+        rows, _X_SCALE, _X_ZERO, prepared
+    )
     return _rescale(out, amax, bias, x, weight.shape[0])
-
-
-# oneDNN's activation quantization of unit rows: x = (q - zero) * scale, q in [1, 127] (7
-# bits, as fbgemm's reduce_range: without VNNI, u8 x s8 pair sums saturate at 8 bits).
-_ONEDNN_X_SCALE = 1 / 63
-_ONEDNN_X_ZERO = 64
 
 
 def _onednn_prepare(weight: Tensor, scale: Tensor, bias: Tensor | None):
@@ -427,15 +432,15 @@ def _onednn_prepare(weight: Tensor, scale: Tensor, bias: Tensor | None):
 
 def _int8_onednn(x, weight, scale, bias, prepared=None):
     """oneDNN's int8 linear (the kernel inductor and torchao call on x86) with activations
-    quantized per row (_unit_rows) to 7 bits with a fixed scale and zero point, an int8
-    GEMM, the weight's scales applied by oneDNN in float32."""
+    quantized per row (_unit_rows) on the fixed grid (_X_SCALE, _X_ZERO), an int8 GEMM,
+    the weight's scales applied by oneDNN in float32."""
     if prepared is None:
         prepared = _derived(weight, "onednn", lambda: _onednn_prepare(weight, scale, None))
     packed, w_scale, w_zero = prepared
     rows, amax = _unit_rows(x)
-    q = rows.mul_(1 / _ONEDNN_X_SCALE).round_().add_(_ONEDNN_X_ZERO).to(torch.uint8)
+    q = rows.mul_(1 / _X_SCALE).round_().add_(_X_ZERO).to(torch.uint8)
     out = torch.ops.onednn.qlinear_pointwise(
-        q, _ONEDNN_X_SCALE, _ONEDNN_X_ZERO, packed, w_scale, w_zero,
+        q, _X_SCALE, _X_ZERO, packed, w_scale, w_zero,
         None, 1.0, 0, torch.float32, "none", [], "",
     )  # fmt: skip
     return _rescale(out, amax, bias, x, weight.shape[0])
