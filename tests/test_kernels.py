@@ -4,6 +4,7 @@ the selection (timing once, the JSON cache, the override, nothing timed while co
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -786,6 +787,44 @@ def test_each_int8_linear_computes_every_row_on_its_own(dtype):
         whole = kernels.INT8_LINEAR[name](x, weight, scale, b)
         halves = [kernels.INT8_LINEAR[name](x[r : r + 300], weight, scale, b) for r in (0, 300)]
         assert torch.equal(whole, torch.cat(halves)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_linear_runs_many_rows_in_tiles_of_the_timed_class(dtype, monkeypatch):
+    """An encoder-sized call (2 windows of 1500 rows, and 513 rows) hands each kernel at
+    most INT8_TILE_ROWS rows at a time, in the row class of the whole call, and its result
+    is the kernel's untiled result bit for bit, in x's dtype; with a plan and without."""
+    weight, scale, bias = int8_layer(n=80, k=96)
+    b = bias.to(dtype)
+    seen: list[int] = []
+
+    def recording(kernel):
+        def run(x, *args, **kwargs):
+            seen.append(x.numel() // x.shape[-1])
+            return kernel(x, *args, **kwargs)
+
+        return run
+
+    names = kernels.int8_candidates(dtype)
+    for name in names:
+        monkeypatch.setitem(kernels.INT8_LINEAR, name, recording(kernels.INT8_LINEAR[name]))
+    plans = {name: plan_of([call("int8-linear", 3000, 80, 96)], dtype, mode=name) for name in names}
+    shape_class = kernels.OPS["int8-linear"].shape_class
+    for lead in ((2, 1500), (513,)):
+        x = gelu_rows(math.prod(lead), 96, 14, dtype).view(*lead, 96)
+        x[..., ::2, :] *= -1
+        m = x.numel() // 96
+        for name, plan in [*plans.items(), ("dequant", None)]:
+            seen.clear()
+            untiled = kernels.INT8_LINEAR[name](x, weight, scale, b)
+            assert seen == [m]
+            seen.clear()
+            out = kernels.int8_linear(x, weight, scale, b, plan)
+            assert out.dtype == dtype and torch.equal(out, untiled), (name, lead)
+            assert sum(seen) == m and max(seen) <= kernels.INT8_TILE_ROWS, (name, seen)
+            if m > 513:
+                tiles = {shape_class(dtype, rows, 80, 96).name for rows in seen}
+                assert tiles == {shape_class(dtype, m, 80, 96).name}, (name, seen)
 
 
 def test_int8_choices_are_timed_and_saved_and_the_reference_runs_while_compiling(

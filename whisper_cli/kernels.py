@@ -70,6 +70,13 @@ LOGIT_BLOCK_ROWS = 1024
 # Queries at least this long are the encoder's shape class (the decoder has at most 448).
 ENCODER_ROWS = 512
 CONV_TIMING_LENGTH = 512  # frames a convolution is timed on (see _conv1d_shape)
+# The most rows an int8 linear kernel takes at once (int8_linear): a call of more runs in
+# equal tiles of 257-512 rows (256 and 257 for a call of 513), so in the class of
+# ENCODER_ROWS, the largest a plan times (_gemm_rows; per-row costs are flat there): each
+# tile runs the shape its choice was timed at. Each kernel's float32 temporaries are then
+# a few MB, where the encoder's whole call (1500 rows per window) made hundreds of MB of
+# them at batch 16.
+INT8_TILE_ROWS = ENCODER_ROWS
 # Timing: most elements of one synthetic K tensor (the batch is cut to fit). Each
 # candidate is warmed up once (one TIMING_CUTOFF times slower than the best warm-up is
 # dropped there), then the rest are called in turn, round after round (a load burst on a
@@ -548,12 +555,29 @@ def int8_linear(
     plan: KernelPlan | None = None,
 ) -> Tensor:
     """x (weight * scale)^T + bias for an int8 weight, by the implementation the plan names
-    (without one, the dequantizing reference)."""
-    if plan is None or torch.compiler.is_compiling():
+    (without one, the dequantizing reference).
+
+    A call of more than INT8_TILE_ROWS rows (the encoder's) runs in equal tiles of rows
+    into one output in x's dtype: each kernel's float32 and uint8 temporaries are a
+    tile's, not the call's. Each kernel computes a row on its own (a grid per row, see
+    _X_SCALE), and the BLAS behind the reference computes a tile's rows as it does the
+    whole call's (test_kernels checks both): the result is the untiled call's."""
+    if torch.compiler.is_compiling():
         return _int8_dequant(x, weight, scale, bias)
     n, k = weight.shape
-    choice = plan.choice("int8-linear", x.dtype, x.numel() // k, n, k)
-    return INT8_LINEAR[choice](x, weight, scale, bias)
+    m = x.numel() // k
+    choice = "dequant" if plan is None else plan.choice("int8-linear", x.dtype, m, n, k)
+    run = INT8_LINEAR[choice]
+    if m <= INT8_TILE_ROWS:
+        return run(x, weight, scale, bias)
+    rows = x.reshape(m, k)
+    out = x.new_empty((*x.shape[:-1], n))
+    flat = out.view(m, n)
+    tiles = -(-m // INT8_TILE_ROWS)
+    for i in range(tiles):  # sizes differ by one at most
+        start, end = m * i // tiles, m * (i + 1) // tiles
+        flat[start:end] = run(rows[start:end], weight, scale, bias)
+    return out
 
 
 def conv1d(
