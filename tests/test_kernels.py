@@ -754,10 +754,11 @@ def test_each_int8_linear_matches_float64(dtype, lead):
     b = bias.to(dtype)
     ref = F.linear(x.double(), weight.double() * scale.double()[:, None], b.double())
     for name in kernels.int8_candidates(dtype):
+        form = kernels.int8_form(name, weight, scale)
         for bb in (b, None):
-            out = kernels.INT8_LINEAR[name](x, weight, scale, bb)
+            out = kernels.INT8_LINEAR[name](x, weight, scale, bb, form)
             assert out.dtype == dtype and out.shape == (*lead, 80), name
-        out = kernels.INT8_LINEAR[name](x, weight, scale, b)
+        out = kernels.INT8_LINEAR[name](x, weight, scale, b, form)
         # Row by row: a small row's error is its own, not the large rows'.
         err = ((out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
         bound = {"dequant": 1e-6, "weight-only": 0.01}.get(name, 0.05)
@@ -784,8 +785,9 @@ def test_each_int8_linear_computes_every_row_on_its_own(dtype):
     x[300:] = -x[300:]  # the second half's rows reach their largest magnitude below zero
     b = bias.to(dtype)
     for name in kernels.int8_candidates(dtype):
-        whole = kernels.INT8_LINEAR[name](x, weight, scale, b)
-        halves = [kernels.INT8_LINEAR[name](x[r : r + 300], weight, scale, b) for r in (0, 300)]
+        run, form = kernels.INT8_LINEAR[name], kernels.int8_form(name, weight, scale)
+        whole = run(x, weight, scale, b, form)
+        halves = [run(x[r : r + 300], weight, scale, b, form) for r in (0, 300)]
         assert torch.equal(whole, torch.cat(halves)), name
 
 
@@ -816,7 +818,8 @@ def test_int8_linear_runs_many_rows_in_tiles_of_the_timed_class(dtype, monkeypat
         m = x.numel() // 96
         for name, plan in [*plans.items(), ("dequant", None)]:
             seen.clear()
-            untiled = kernels.INT8_LINEAR[name](x, weight, scale, b)
+            form = kernels.int8_form(name, weight, scale)
+            untiled = kernels.INT8_LINEAR[name](x, weight, scale, b, form)
             assert seen == [m]
             seen.clear()
             out = kernels.int8_linear(x, weight, scale, b, plan)
