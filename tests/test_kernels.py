@@ -4,6 +4,7 @@ the selection (timing once, the JSON cache, the override, nothing timed while co
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -756,16 +757,80 @@ def test_each_int8_linear_matches_float64(dtype, lead):
     b = bias.to(dtype)
     ref = F.linear(x.double(), weight.double() * scale.double()[:, None], b.double())
     for name in kernels.int8_candidates(dtype):
+        form = kernels.int8_form(name, weight, scale)
         for bb in (b, None):
-            out = kernels.INT8_LINEAR[name](x, weight, scale, bb)
+            out = kernels.INT8_LINEAR[name](x, weight, scale, bb, form)
             assert out.dtype == dtype and out.shape == (*lead, 80), name
-        out = kernels.INT8_LINEAR[name](x, weight, scale, b)
+        out = kernels.INT8_LINEAR[name](x, weight, scale, b, form)
         # Row by row: a small row's error is its own, not the large rows'.
         err = ((out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
         bound = {"dequant": 1e-6, "weight-only": 0.01}.get(name, 0.05)
         if dtype == torch.bfloat16:
             bound = max(bound, 0.01)
         assert err <= bound, (name, err)
+
+
+def gelu_rows(m: int, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows as the encoder's fc2 takes them (after a GELU: each row's largest magnitude is
+    positive, its most negative value small), ranges 1000x apart."""
+    g = torch.Generator().manual_seed(seed)
+    x = F.gelu(torch.randn(m, k, generator=g)) * torch.logspace(-2, 1, m)[:, None]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_each_int8_linear_computes_every_row_on_its_own(dtype):
+    """A row's result does not depend on the other rows of its call: a call equals its two
+    halves, bit for bit, also where one half holds only rows of one sign (a grid taken from
+    the call's min and max would then differ between the halves and the whole)."""
+    weight, scale, bias = int8_layer(n=80, k=96)
+    x = gelu_rows(600, 96, 13, dtype)
+    x[300:] = -x[300:]  # the second half's rows reach their largest magnitude below zero
+    b = bias.to(dtype)
+    for name in kernels.int8_candidates(dtype):
+        run, form = kernels.INT8_LINEAR[name], kernels.int8_form(name, weight, scale)
+        whole = run(x, weight, scale, b, form)
+        halves = [run(x[r : r + 300], weight, scale, b, form) for r in (0, 300)]
+        assert torch.equal(whole, torch.cat(halves)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_linear_runs_many_rows_in_tiles_of_the_timed_class(dtype, monkeypatch):
+    """An encoder-sized call (2 windows of 1500 rows, and 513 rows) hands each kernel at
+    most INT8_TILE_ROWS rows at a time, in the row class of the whole call, and its result
+    is the kernel's untiled result bit for bit, in x's dtype; with a plan and without."""
+    weight, scale, bias = int8_layer(n=80, k=96)
+    b = bias.to(dtype)
+    seen: list[int] = []
+
+    def recording(kernel):
+        def run(x, *args, **kwargs):
+            seen.append(x.numel() // x.shape[-1])
+            return kernel(x, *args, **kwargs)
+
+        return run
+
+    names = kernels.int8_candidates(dtype)
+    for name in names:
+        monkeypatch.setitem(kernels.INT8_LINEAR, name, recording(kernels.INT8_LINEAR[name]))
+    plans = {name: plan_of([call("int8-linear", 3000, 80, 96)], dtype, mode=name) for name in names}
+    shape_class = kernels.OPS["int8-linear"].shape_class
+    for lead in ((2, 1500), (513,)):
+        x = gelu_rows(math.prod(lead), 96, 14, dtype).view(*lead, 96)
+        x[..., ::2, :] *= -1
+        m = x.numel() // 96
+        for name, plan in [*plans.items(), ("dequant", None)]:
+            seen.clear()
+            form = kernels.int8_form(name, weight, scale)
+            untiled = kernels.INT8_LINEAR[name](x, weight, scale, b, form)
+            assert seen == [m]
+            seen.clear()
+            out = kernels.int8_linear(x, weight, scale, b, plan)
+            assert out.dtype == dtype and torch.equal(out, untiled), (name, lead)
+            assert sum(seen) == m and max(seen) <= kernels.INT8_TILE_ROWS, (name, seen)
+            if m > 513:
+                tiles = {shape_class(dtype, rows, 80, 96).name for rows in seen}
+                assert tiles == {shape_class(dtype, m, 80, 96).name}, (name, seen)
 
 
 def test_int8_choices_are_timed_and_saved_and_the_reference_runs_while_compiling(

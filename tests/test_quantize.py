@@ -9,6 +9,8 @@ plan chooses transcribe the English clips at a pooled WER of at most MAX_WER.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from util import manifest, real_model, shared_clip
@@ -171,3 +173,67 @@ def test_the_flag_reaches_the_policy(monkeypatch):
     jfk = str(shared_clip("jfk.flac"))
     result = CliRunner().invoke(cli.app, ["transcribe", jfk, "--quantize", "int8"])
     assert "stop here" in result.stderr and seen == ["int8"]
+
+
+def test_each_int8_layer_holds_the_forms_its_plan_chose_and_a_forward_makes_none(
+    kernels_mode, tmp_path, monkeypatch
+):
+    """Through load_model: a kernel cache that names fbgemm for calls of up to 4 rows, oneDNN
+    for the encoder's class (512 rows and more) and the dequantizing reference (no form) in
+    between; every layer holds the forms of exactly the choices for the rows it is called
+    with (the encoder's layers oneDNN's, the decoder's both), and a forward pass hands the
+    kernels those, making none."""
+    from whisper_cli.audio import load_audio
+    from whisper_cli.dtypes import encoder_input
+    from whisper_cli.features import batch_log_mel
+    from whisper_cli.quantize import Int8Linear
+
+    # A cache of this machine's classes, written by a load whose timings are all alike (the
+    # reference kept), then rewritten for the int8 classes.
+    kernels_mode("auto")
+    cache = tmp_path / "kernels.json"
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "time_candidates", lambda runs: {n: (1.0, True) for n in runs})
+        int8_model("tiny.en")
+    data = json.loads(cache.read_text())
+    rows_of = {"M1x": "fbgemm", "M2x": "fbgemm", "M4x": "fbgemm", "M512x": "onednn"}
+    for key, entry in data["entries"].items():
+        if "|int8-linear/" in key:
+            rows = key.split("/")[2].split("N")[0]
+            entry["choice"] = rows_of.get(rows, "dequant")
+    cache.write_text(json.dumps(data))
+
+    loaded = int8_model("tiny.en")
+    model = loaded.model
+    assert not model.plan.timed  # every choice read from the cache above
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
+    for name, layer in layers.items():
+        want = {"onednn"} if name.startswith("encoder.") else {"fbgemm", "onednn"}
+        assert set(layer.forms) == want, name
+    held = {id(form) for layer in layers.values() for form in layer.forms.values()}
+
+    ran = []
+
+    def recording(name, kernel):
+        def run(x, weight, scale, bias, prepared=None):
+            ran.append((name, prepared))
+            return kernel(x, weight, scale, bias, prepared)
+
+        return run
+
+    for name, kernel in list(kernels.INT8_LINEAR.items()):
+        monkeypatch.setitem(kernels.INT8_LINEAR, name, recording(name, kernel))
+    made = []
+    monkeypatch.setattr(kernels, "int8_form", lambda *args: made.append(args))
+    tok = loaded.tokenizer
+    tokens = torch.tensor([tok.prompt(None, "transcribe", False)])  # a few rows: fbgemm
+    t = tokens.shape[1]
+    assert t <= 4
+    with torch.inference_mode():
+        mel = batch_log_mel([load_audio(shared_clip("jfk.flac"))], 1, 80, torch.device("cpu"))
+        features = model.encoder(encoder_input(mel, model.dtype))  # 1500 rows: oneDNN, tiled
+        caches = model.decoder.new_caches(features, t)
+        model.decoder(tokens, torch.arange(t), caches, Extent(t))
+    assert not made
+    assert {name for name, _ in ran} == {"fbgemm", "onednn"}
+    assert all(id(prepared) in held for _, prepared in ran)

@@ -70,6 +70,13 @@ LOGIT_BLOCK_ROWS = 1024
 # Queries at least this long are the encoder's shape class (the decoder has at most 448).
 ENCODER_ROWS = 512
 CONV_TIMING_LENGTH = 512  # frames a convolution is timed on (see _conv1d_shape)
+# The most rows an int8 linear kernel takes at once (int8_linear): a call of more runs in
+# equal tiles of 257-512 rows (256 and 257 for a call of 513), so in the class of
+# ENCODER_ROWS, the largest a plan times (_gemm_rows; per-row costs are flat there): each
+# tile runs the shape its choice was timed at. Each kernel's float32 temporaries are then
+# a few MB, where the encoder's whole call (1500 rows per window) made hundreds of MB of
+# them at batch 16.
+INT8_TILE_ROWS = ENCODER_ROWS
 # Timing: most elements of one synthetic K tensor (the batch is cut to fit). Each
 # candidate is warmed up once (one TIMING_CUTOFF times slower than the best warm-up is
 # dropped there), then the rest are called in turn, round after round (a load burst on a
@@ -358,11 +365,12 @@ def logits_candidates(dtype: torch.dtype) -> tuple[str, ...]:
 # --- int8 linear layers (`--quantize int8`) -------------------------------------------
 # x (..., K) in the run dtype, weight (N, K) int8 and scale (N,) float32 per output channel
 # (dtypes.int8_weight), bias (N,) in the run dtype or None -> (..., N) in x's dtype.
-# `prepared`: the implementation's own form of the weight, made by the caller (timing
-# makes its own, so that the run keeps none it did not choose); else made once per weight.
+# `prepared`: the implementation's own form of the weight (int8_form), made by the caller
+# once: each layer holds the forms its plan chose (quantize.prepare_forms, at load), and a
+# timing makes its own, so that the run keeps none it did not choose.
 
 
-def _int8_dequant(x, weight, scale, bias, prepared=None):
+def _int8_dequant(x, weight, scale, bias, prepared=None):  # no form: `prepared` unused
     """The reference, weight-only: W = weight * scale in float32 (exact: an int8 times a
     bfloat16 value), x W^T + b in float32 and the result rounded once to x's dtype. The
     float32 W lives for one call; the activations are not quantized."""
@@ -371,7 +379,7 @@ def _int8_dequant(x, weight, scale, bias, prepared=None):
     return F.linear(x.float(), w, b).to(x.dtype)
 
 
-def _fbgemm_prepare(weight: Tensor, scale: Tensor, bias: Tensor | None):
+def _fbgemm_prepare(weight: Tensor, scale: Tensor):
     """fbgemm's packed int8 weight: its per-channel quantized tensor made from the int8
     values and scales as they are. The bias is added outside (see _int8_fbgemm)."""
     zeros = torch.zeros(weight.shape[0], dtype=torch.long, device=weight.device)
@@ -403,52 +411,52 @@ def _rescale(out: Tensor, amax: Tensor, bias: Tensor | None, x: Tensor, n: int) 
     return out.view(*x.shape[:-1], n).to(x.dtype)
 
 
-def _int8_fbgemm(x, weight, scale, bias, prepared=None):
-    """fbgemm's dynamic int8 linear with activations quantized per row (_unit_rows): fbgemm
-    quantizes the unit rows to 7-bit unsigned (reduce_range: AVX2's u8 x s8 pair sums
-    saturate int16 at 8 bits) and runs an int8 GEMM accumulating in int32."""
-    if prepared is None:
-        prepared = _derived(weight, "fbgemm", lambda: _fbgemm_prepare(weight, scale, None))
+# The activations' quantization of unit rows (_unit_rows), fixed: x = (q - zero) * scale, q
+# in [1, 127] (7 bits: without VNNI, u8 x s8 pair sums saturate int16 at 8 bits). A grid
+# that depends on nothing else in the call quantizes every row on its own, so a row's
+# result is the same alone, in a batch or in a tile of a larger call (int8_linear).
+_X_SCALE = 1 / 63
+_X_ZERO = 64
+
+
+def _int8_fbgemm(x, weight, scale, bias, prepared):
+    """fbgemm's int8 linear with activations quantized per row (_unit_rows) on the fixed
+    grid (_X_SCALE, _X_ZERO), an int8 GEMM accumulating in int32 and the weight's scales
+    applied in float32. (Its dynamic variant takes the grid from the call's min and max:
+    a row's result would depend on the other rows.)"""
     rows, amax = _unit_rows(x)
-    out = torch.ops.quantized.linear_dynamic(rows, prepared, True)
+    out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+        rows, _X_SCALE, _X_ZERO, prepared
+    )
     return _rescale(out, amax, bias, x, weight.shape[0])
 
 
-# oneDNN's activation quantization of unit rows: x = (q - zero) * scale, q in [1, 127] (7
-# bits, as fbgemm's reduce_range: without VNNI, u8 x s8 pair sums saturate at 8 bits).
-_ONEDNN_X_SCALE = 1 / 63
-_ONEDNN_X_ZERO = 64
-
-
-def _onednn_prepare(weight: Tensor, scale: Tensor, bias: Tensor | None):
+def _onednn_prepare(weight: Tensor, scale: Tensor):
+    """oneDNN's packed int8 weight, the scales in float32 and zero points (all 0)."""
     zeros = torch.zeros(weight.shape[0], dtype=torch.long, device=weight.device)
     return torch.ops.onednn.qlinear_prepack(weight, None), scale.float(), zeros
 
 
-def _int8_onednn(x, weight, scale, bias, prepared=None):
+def _int8_onednn(x, weight, scale, bias, prepared):
     """oneDNN's int8 linear (the kernel inductor and torchao call on x86) with activations
-    quantized per row (_unit_rows) to 7 bits with a fixed scale and zero point, an int8
-    GEMM, the weight's scales applied by oneDNN in float32."""
-    if prepared is None:
-        prepared = _derived(weight, "onednn", lambda: _onednn_prepare(weight, scale, None))
+    quantized per row (_unit_rows) on the fixed grid (_X_SCALE, _X_ZERO), an int8 GEMM,
+    the weight's scales applied by oneDNN in float32."""
     packed, w_scale, w_zero = prepared
     rows, amax = _unit_rows(x)
-    q = rows.mul_(1 / _ONEDNN_X_SCALE).round_().add_(_ONEDNN_X_ZERO).to(torch.uint8)
+    q = rows.mul_(1 / _X_SCALE).round_().add_(_X_ZERO).to(torch.uint8)
     out = torch.ops.onednn.qlinear_pointwise(
-        q, _ONEDNN_X_SCALE, _ONEDNN_X_ZERO, packed, w_scale, w_zero,
+        q, _X_SCALE, _X_ZERO, packed, w_scale, w_zero,
         None, 1.0, 0, torch.float32, "none", [], "",
     )  # fmt: skip
     return _rescale(out, amax, bias, x, weight.shape[0])
 
 
-def _int8_weight_only(x, weight, scale, bias, prepared=None):
+def _int8_weight_only(x, weight, scale, bias, prepared):
     """torch's weight-only int8 GEMM (`_weight_int8pack_mm`) over bfloat16 rows: the int8
     values and scales (bfloat16 values, see dtypes.int8_weight) taken as they are, float32
     accumulation, the product rounded to bfloat16, the bias added in float32 and the result
     rounded to x's dtype. An f32 run's rows and products are rounded to bfloat16 inside:
     8 bits of mantissa per element, finer than any int8 quantization of a row."""
-    if prepared is None:
-        prepared = _derived(weight, "weight-only", lambda: scale.to(torch.bfloat16))
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
     out = torch._weight_int8pack_mm(rows, weight, prepared).float()
     if bias is not None:
@@ -462,11 +470,18 @@ INT8_LINEAR: dict[str, Callable] = {
     "onednn": _int8_onednn,
     "weight-only": _int8_weight_only,
 }
-_INT8_PREPARE: dict[str, Callable] = {
+# The form of the weight each implementation takes (`prepared`); "dequant" takes none.
+_INT8_PREPARE: dict[str, Callable[[Tensor, Tensor], object]] = {
     "fbgemm": _fbgemm_prepare,
     "onednn": _onednn_prepare,
-    "weight-only": lambda weight, scale, bias: scale.to(torch.bfloat16),
+    "weight-only": lambda weight, scale: scale.to(torch.bfloat16),  # the scales, in bf16
 }
+
+
+def int8_form(name: str, weight: Tensor, scale: Tensor) -> object | None:
+    """Implementation `name`'s form of an int8 weight and its scales (None: it takes none)."""
+    prepare = _INT8_PREPARE.get(name)
+    return None if prepare is None else prepare(weight, scale)
 
 
 def _has_op(namespace: str, name: str) -> bool:
@@ -541,14 +556,37 @@ def int8_linear(
     scale: Tensor,
     bias: Tensor | None = None,
     plan: KernelPlan | None = None,
+    forms: dict[str, object] | None = None,
 ) -> Tensor:
     """x (weight * scale)^T + bias for an int8 weight, by the implementation the plan names
-    (without one, the dequantizing reference)."""
-    if plan is None or torch.compiler.is_compiling():
+    (without one, the dequantizing reference), on its form of the weight from `forms` (the
+    layer's, see quantize.prepare_forms); a form they lack (a class outside the plan in a
+    forced mode) is made for this call only.
+
+    A call of more than INT8_TILE_ROWS rows (the encoder's) runs in equal tiles of rows
+    into one output in x's dtype: each kernel's float32 and uint8 temporaries are a
+    tile's, not the call's. Each kernel computes a row on its own (a grid per row, see
+    _X_SCALE), and the BLAS behind the reference computes a tile's rows as it does the
+    whole call's (test_kernels checks both): the result is the untiled call's."""
+    if torch.compiler.is_compiling():
         return _int8_dequant(x, weight, scale, bias)
     n, k = weight.shape
-    choice = plan.choice("int8-linear", x.dtype, x.numel() // k, n, k)
-    return INT8_LINEAR[choice](x, weight, scale, bias)
+    m = x.numel() // k
+    choice = "dequant" if plan is None else plan.choice("int8-linear", x.dtype, m, n, k)
+    run = INT8_LINEAR[choice]
+    form = forms.get(choice) if forms else None
+    if form is None:
+        form = int8_form(choice, weight, scale)
+    if m <= INT8_TILE_ROWS:
+        return run(x, weight, scale, bias, form)
+    rows = x.reshape(m, k)
+    out = x.new_empty((*x.shape[:-1], n))
+    flat = out.view(m, n)
+    tiles = -(-m // INT8_TILE_ROWS)
+    for i in range(tiles):  # sizes differ by one at most
+        start, end = m * i // tiles, m * (i + 1) // tiles
+        flat[start:end] = run(rows[start:end], weight, scale, bias, form)
+    return out
 
 
 def conv1d(
@@ -802,7 +840,11 @@ def build_plan(
     prefix = f"{_machine()}|threads={plan.threads}|"
     saved: dict[str, dict] = {}
     times_of: dict[tuple, dict[str, float]] = {}  # the same calls are timed once
+    shapes: set[tuple] = set()  # calls of layers alike: one class, looked up once
     for call in calls:
+        if (call.op, call.shape) in shapes:
+            continue
+        shapes.add((call.op, call.shape))
         op = OPS[call.op]
         cls = op.shape_class(dtype, *call.shape)
         if cls.name in plan.choices:
@@ -1001,8 +1043,7 @@ def _int8_runs(cands, m: int, dtype: torch.dtype, weight: Tensor) -> Runs:
     scale = torch.full((weight.shape[0],), 1 / 127, device=weight.device)
 
     def run(name: str) -> Callable[[], object]:
-        prepare = _INT8_PREPARE.get(name)
-        prepared = None if prepare is None else prepare(weight, scale, None)
+        prepared = int8_form(name, weight, scale)
         return lambda: INT8_LINEAR[name](x, weight, scale, None, prepared)
 
     return {n: run(n) for n in cands}

@@ -260,8 +260,13 @@ def plan_kernels(
     """Give `model` (its weights in place) the kernel plan of its dtype and device for
     the shapes of `reach`: each choice read from the kernel cache, or timed now where the
     cache has none (then saved there); `mode`: WHISPER_CLI_KERNELS when None. Shapes
-    outside the reach (a larger batch, say) run the reference kernels."""
-    calls = model.kernel_calls(reach)
+    outside the reach (a larger batch, say) run the reference kernels. With int8 weights,
+    each layer gets the forms of its weight the plan chose (quantize.prepare_forms)."""
+    calls = list(model.kernel_calls(reach))
     plan = kernels.build_plan(calls, policy.dtype, policy.device, mode=mode)
     model.use_plan(plan)
+    if policy.quantize == "int8":
+        from whisper_cli.quantize import prepare_forms
+
+        prepare_forms(model, plan, calls)
     return plan

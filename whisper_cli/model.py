@@ -264,14 +264,12 @@ def _logits_calls(decoder: Decoder, rows: list[int]) -> Iterator[kernels.KernelC
 
 
 def _linear_calls(module: nn.Module, rows: list[int]) -> Iterator[kernels.KernelCall]:
-    """The calls of the linear layers under `module` (float or int8 weights) on `rows`,
-    one layer per op and weight shape (layers alike share their classes)."""
-    seen = set()
+    """The calls of every linear layer under `module` (float or int8 weights) on `rows`,
+    each with its own weight: an int8 layer holds the forms of its own calls' choices
+    (quantize.prepare_forms); kernels.build_plan takes layers alike as one."""
     for layer in module.modules():
         op = getattr(type(layer), "kernel_op", None)
-        key = (op, tuple(layer.weight.shape)) if op is not None else None
-        if key is not None and key not in seen:
-            seen.add(key)
+        if op is not None:
             n, k = layer.weight.shape
             for m in rows:
                 yield kernels.KernelCall(op, (m, n, k), layer.weight)

@@ -6,9 +6,15 @@ own tensor, so that every run dtype holds the same int8 values), and the decoder
 output projection gets an int8 copy of the token embedding (`Decoder.proj_out`). The bias,
 the embeddings, norms and convolutions keep the run dtype; `kernels.int8_linear` runs the
 layers, its result in the run dtype. dtypes.INT8_EXCEPTIONS lists what is not.
+
+Each layer also holds the forms of its weight that its kernel plan chose (fbgemm's or
+oneDNN's packed weight, the scales in bfloat16), made once where the plan is made
+(prepare_forms), not in the middle of the first batch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -24,7 +30,8 @@ EMBEDDING_KEY = "decoder.embed_tokens.weight"
 class Int8Linear(nn.Module):
     """x W^T + b with W = weight (int8, (N, K)) * weight_scale (float32, (N,)) per row,
     computed by kernels.int8_linear as its kernel plan names; x, b and the result in the
-    run dtype."""
+    run dtype. `forms`: the forms of the weight the plan's choices for this layer take
+    (implementation name -> kernels.int8_form), set by prepare_forms with the plan."""
 
     plan: kernels.KernelPlan | None = None  # None: the dequantizing reference
     kernel_op = "int8-linear"  # its op in a kernel plan
@@ -34,6 +41,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", bias)
+        self.forms: dict[str, object] = {}
 
     @property
     def in_features(self) -> int:
@@ -44,7 +52,8 @@ class Int8Linear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.int8_linear(x, self.weight, self.weight_scale, self.bias, self.plan)
+        w, scale = self.weight, self.weight_scale
+        return kernels.int8_linear(x, w, scale, self.bias, self.plan, self.forms)
 
 
 def int8_linear(source: torch.Tensor, bias: torch.Tensor | None, policy: DtypePolicy) -> Int8Linear:
@@ -71,3 +80,23 @@ def quantize_linears(model: Whisper, state: dict[str, torch.Tensor], policy: Dty
         parent = model.get_submodule(parent_name)
         setattr(parent, attr, int8_linear(state[f"{name}.weight"], module.bias, policy))
     model.decoder.proj_out = int8_linear(state[EMBEDDING_KEY], None, policy)
+
+
+def prepare_forms(
+    model: Whisper, plan: kernels.KernelPlan, calls: Iterable[kernels.KernelCall]
+) -> None:
+    """Give every Int8Linear of `model` the forms of its weight that `plan` chose for its
+    calls among `calls` (those the plan was built for: one per layer and row class), and
+    no others; the forms of an earlier plan are dropped first."""
+    chosen: dict[int, set[str]] = {}
+    for call in calls:
+        if call.op == Int8Linear.kernel_op:
+            name = plan.choice(call.op, plan.dtype, *call.shape)
+            chosen.setdefault(id(call.weight), set()).add(name)
+    for layer in model.modules():
+        if isinstance(layer, Int8Linear):
+            layer.forms = {}
+            for name in sorted(chosen.get(id(layer.weight), ())):
+                form = kernels.int8_form(name, layer.weight, layer.weight_scale)
+                if form is not None:
+                    layer.forms[name] = form
