@@ -22,7 +22,7 @@ from whisper_cli import decoding
 from whisper_cli.audio import load_audio
 from whisper_cli.decoding import DecodeOptions, DecodeState
 from whisper_cli.dtypes import resolve_policy
-from whisper_cli.engine import Engine
+from whisper_cli.engine import Engine, WindowInput
 from whisper_cli.features import log_mel
 from whisper_cli.loading import load_model
 from whisper_cli.model import FIXED, Extent
@@ -201,9 +201,9 @@ def test_repetition_guard_stops_a_looping_row(random_dirs, looping, monkeypatch)
     steps = []
     real_choose = decoding.choose
 
-    def step(model, rules, state, caches, extent, sample) -> None:
+    def step(model, rules, state, caches, extent, sample, in_step) -> None:
         # A model that never ends: token 1000 + (position mod 3) (looping) or + position.
-        pos = int(state.positions()[0])
+        pos = int(state.positions(in_step)[0])
         steps.append(pos)
         logits = torch.zeros(state.tokens.shape[0], ours.config.vocab_size)
         logits[:, 1000 + (pos % 3 if looping else pos)] = 10.0
@@ -244,3 +244,88 @@ def test_compiled_step_inputs_have_fixed_addresses_on_cuda(random_dirs, monkeypa
     assert len(state_tensors) >= 7
     inputs = [*rules, *caches.tensors(), *state_tensors]
     assert {id(t) for t in inputs} <= {id(t) for t in marked}
+
+
+@pytest.mark.slow
+def test_a_refilled_run_decodes_each_row_as_batches_do():
+    """tiny.en on nine real 30 s windows, 3 rows at a time: refilled as rows finish
+    (continuous batching), each row's tokens, log-probs and no-speech probability are
+    those of the same rows decoded in batches of 3 and alone; no row is dropped or
+    repeated, the results keep the caller's order, and fewer steps are taken."""
+    loaded = load_model(str(real_model("tiny.en")), F32)
+    jfk = load_audio(shared_clip("jfk.flac"))
+    left = load_audio(shared_clip("stereo_diarization.wav"), "left")
+    long = np.concatenate([left, jfk, left, jfk, left, jfk, left, jfk])  # ~2.5 min
+    windows = [long[i * 240_000 : i * 240_000 + 480_000] for i in range(9)]  # 15 s apart
+    rows = [WindowInput(w, language=None, seed=k) for k, w in enumerate(windows)]
+
+    refilled_engine = Engine(loaded, DecodeOptions())
+    refilled = refilled_engine.run(rows, slots=3)
+    batches_engine = Engine(loaded, DecodeOptions())
+    batched = [r for at in range(0, 9, 3) for r in batches_engine.run(rows[at : at + 3]).rows]
+    alone = Engine(loaded, DecodeOptions()).run(rows[4:5]).rows[0]
+
+    assert [r.tokens for r in refilled.rows] == [r.tokens for r in batched]
+    assert all(r.tokens for r in batched)
+    for a, b in zip(refilled.rows, batched, strict=True):
+        assert a.avg_logprob == pytest.approx(b.avg_logprob, abs=1e-5)
+        assert a.no_speech_prob == pytest.approx(b.no_speech_prob, abs=1e-5)
+    assert refilled.rows[4].tokens == alone.tokens
+    assert refilled.features.shape[0] == 9
+    ran, batch = refilled_engine.counters, batches_engine.counters
+    assert ran.refills == 6 and batch.refills == 0
+    assert ran.steps < batch.steps
+
+
+def test_the_guard_judges_a_refilled_row_at_its_own_token_counts(random_dirs, monkeypatch):
+    """A row that loops is cut where it would be alone, whenever it entered the batch:
+    the guard judges every row at multiples of loop_check_every of its own tokens."""
+    ours = load_model(str(random_dirs), F32)
+    real_choose = decoding.choose
+    period = {0: 7, 1: 3, 2: 5}  # row seed -> the period of its loop (7: ends at once)
+
+    def step(model, rules, state, caches, extent, sample, in_step) -> None:
+        # Row with seed s writes 1000 + (its own count mod its period); seed 0 ends.
+        logits = torch.zeros(state.tokens.shape[0], ours.config.vocab_size)
+        rows = zip(state.seed.tolist(), state.index.tolist(), strict=True)
+        for r, (seed, index) in enumerate(rows):
+            token = rules.eot if seed == 0 and index >= 5 else 1000 + index % period[seed]
+            logits[r, token] = 10.0
+        real_choose(rules, state, logits, sample)
+
+    monkeypatch.setattr(decoding, "step", step)
+    engine = Engine(ours, DecodeOptions(timestamps=False, max_new_tokens=120))
+    language = "en" if ours.tokenizer.is_multilingual else None
+    features = engine.encode(random_mel(ours.config.num_mel_bins, 3))
+    silent = np.zeros(0, np.float32)
+    rows = [
+        WindowInput(silent, features=f, language=language, seed=k) for k, f in enumerate(features)
+    ]
+    alone = [engine.run([row]).rows[0] for row in rows]
+    # One row at a time: rows 1 and 2 each enter when the one before has finished.
+    refilled = engine.run(rows, slots=1).rows
+    assert [r.looped for r in alone] == [False, True, True]
+    assert [(r.tokens, r.looped) for r in refilled] == [(r.tokens, r.looped) for r in alone]
+
+
+def test_rows_wait_for_a_row_that_runs_to_max_new_tokens(random_dirs, monkeypatch):
+    """A row that never ends holds its place for max_new_tokens; the rows waiting behind
+    it are decoded after it, in full (the run does not end at the first row's limit)."""
+    ours = load_model(str(random_dirs), F32)
+    real_choose = decoding.choose
+
+    def step(model, rules, state, caches, extent, sample, in_step) -> None:
+        logits = torch.zeros(state.tokens.shape[0], ours.config.vocab_size)
+        logits[:, 1000] = 10.0  # never the end
+        real_choose(rules, state, logits, sample)
+
+    monkeypatch.setattr(decoding, "step", step)
+    options = DecodeOptions(timestamps=False, max_new_tokens=20)
+    engine = Engine(ours, options)
+    language = "en" if ours.tokenizer.is_multilingual else None
+    features = engine.encode(random_mel(ours.config.num_mel_bins, 3))
+    silent = np.zeros(0, np.float32)
+    rows = [WindowInput(silent, features=f, language=language) for f in features]
+    decoded = Engine(ours, options).run(rows, slots=1).rows
+    assert [len(r.tokens) for r in decoded] == [20, 20, 20]
+    assert all(r.hit_max_tokens and not r.looped for r in decoded)

@@ -295,7 +295,7 @@ def test_a_segment_does_not_close_past_the_speech_its_text_can_hold(skip) -> Non
     logits[0, _ts(rules, 28.0)] = 12.0
     logits[0, _ts(rules, 5.0)] = 8.0
     logits[0, 7] = 7.0  # the best text token: below the timestamps' mass
-    index = torch.tensor(8)
+    index = torch.tensor([8])  # (B,) each row's step
     text, ts0 = torch.tensor([7]), torch.tensor([_ts(rules, 0.0)])
     table = _speech_table(SENTENCE_THEN_SPEECH)
     out = apply_rules(rules, logits, index, text, text, ts0, None, table, torch.tensor([7]))
@@ -321,10 +321,10 @@ def test_the_next_segment_does_not_open_past_speech() -> None:
     logits[0, _ts(rules, 5.4)] = 8.0
     close, text = torch.tensor([_ts(rules, 5.0)]), torch.tensor([7])
     table = _speech_table(SENTENCE_THEN_SPEECH)
-    args = (torch.tensor(9), close, text, close, None, table, torch.tensor([0]))
+    args = (torch.tensor([9]), close, text, close, None, table, torch.tensor([0]))
     assert int(apply_rules(rules, logits, *args).argmax()) == _ts(rules, 5.4)
     quiet = _speech_table([(0.6, 2.8), (15.4, 28.1)])  # 15.4 s is past a pause now
-    args = (torch.tensor(9), close, text, close, None, quiet, torch.tensor([0]))
+    args = (torch.tensor([9]), close, text, close, None, quiet, torch.tensor([0]))
     assert int(apply_rules(rules, logits, *args).argmax()) == _ts(rules, 15.4)
 
 

@@ -92,12 +92,16 @@ class Probe:
 @dataclass
 class DecodeState:
     """Everything a decode step reads and writes, as device tensors: (B,) per row unless
-    noted. Updated in place, so a compiled step replays over the same buffers."""
+    noted. Updated in place, so a compiled step replays over the same buffers.
 
-    tokens: torch.Tensor  # (B, max_new) int64: sampled tokens, end-of-text after the end
-    index: torch.Tensor  # () int64: the step, i.e. how many tokens were sampled
+    Each row counts its own tokens (`index`): a row refilled with a new window mid-decode
+    (engine.py) starts at 0 while the others go on. A finished row writes its end-of-text
+    tokens to a spare last column, so a row that used all max_new tokens keeps them."""
+
+    tokens: torch.Tensor  # (B, max_new + 1) int64: sampled tokens, end-of-text after the end
+    index: torch.Tensor  # int64: how many tokens the row has sampled
     finished: torch.Tensor  # bool
-    logprobs: torch.Tensor  # (B, max_new) float32 (listed exception): chosen log-probs
+    logprobs: torch.Tensor  # (B, max_new + 1) float32 (listed exception): chosen log-probs
     loop_cut: torch.Tensor  # int64: where a looping row's tokens are cut, -1 if it did not
     temperature: torch.Tensor  # in the logits' dtype: 0 is greedy
     seed: torch.Tensor  # int64 in [0, 2^32): the row's sampling seed
@@ -124,10 +128,10 @@ class DecodeState:
         minus_one = torch.full((b,), -1, dtype=torch.long, device=device)
         folded = [(s ^ (s >> 32)) & _M32 for s in seeds]
         return cls(
-            tokens=torch.full((b, max_new), eot, dtype=torch.long, device=device),
-            index=torch.zeros((), dtype=torch.long, device=device),
+            tokens=torch.full((b, max_new + 1), eot, dtype=torch.long, device=device),
+            index=torch.zeros(b, dtype=torch.long, device=device),
             finished=torch.zeros(b, dtype=torch.bool, device=device),
-            logprobs=f32_logprobs(b, max_new, device),
+            logprobs=f32_logprobs(b, max_new + 1, device),
             loop_cut=minus_one.clone(),
             temperature=torch.tensor(temperatures, dtype=dtype, device=device),
             seed=torch.tensor(folded, dtype=torch.long, device=device),
@@ -137,15 +141,23 @@ class DecodeState:
             probe=probe,
         )
 
-    def positions(self) -> torch.Tensor:
-        """(1,) int64: the position of the latest sampled token, the next step's input."""
-        return (self.index + (self.prompt_length - 1)).view(1)
+    @property
+    def max_new(self) -> int:
+        return self.tokens.shape[1] - 1
+
+    def positions(self, in_step: bool) -> torch.Tensor:
+        """The position of each row's latest sampled token, the next step's input: (1,)
+        int64 shared by every row when they are `in_step` (none refilled), else (B, 1).
+        A finished row's stops at the last slot a row can write."""
+        if in_step:
+            return self.index[:1] + (self.prompt_length - 1)
+        return (self.index.clamp(max=self.max_new) + (self.prompt_length - 1))[:, None]
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the step reads or writes (a compiled step's fixed addresses)."""
         fields = [getattr(self, name) for name in _PER_ROW]
         probe = self.probe.tensors() if self.probe is not None else []
-        return [t for t in (*fields, self.index, *probe) if t is not None]
+        return [t for t in (*fields, *probe) if t is not None]
 
     def recent(self, back: int) -> torch.Tensor:
         """(B,) the token sampled `back` steps ago (1: the latest), -1 before the first.
@@ -153,7 +165,7 @@ class DecodeState:
         Read from `tokens` rather than kept apart: inductor may reorder the in-place
         updates of separate "last" and "penultimate" buffers.
         """
-        at = (self.index - back).clamp(min=0).expand(self.tokens.shape[0], 1)
+        at = (self.index - back).clamp(min=0, max=self.max_new)[:, None]
         return torch.where(self.index >= back, self.tokens.gather(1, at)[:, 0], -1)
 
     def max_timestamp(self, timestamp_begin: int) -> torch.Tensor:
@@ -174,24 +186,33 @@ class DecodeState:
             name: None if getattr(self, name) is None else getattr(self, name).index_select(0, rows)
             for name in _PER_ROW
         }
-        return DecodeState(
-            **picked, index=self.index, prompt_length=self.prompt_length, probe=self.probe
-        )
+        return DecodeState(**picked, prompt_length=self.prompt_length, probe=self.probe)
 
     def copy_(self, other: DecodeState) -> None:
         """Take `other`'s values into these buffers (a compiled step's fixed addresses)."""
         for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
             mine.copy_(theirs)
 
-    def store(self, into: DecodeState, rows: torch.Tensor) -> None:
-        """Write these rows' tokens and results into `into`, the whole batch's, at `rows`."""
+    def store(self, into: DecodeState, rows: torch.Tensor, at: torch.Tensor | None = None) -> None:
+        """Write these rows' tokens and results (or those of rows `at` of them) into
+        `into`, the whole run's, at `rows`."""
         for name in ("tokens", "logprobs", "loop_cut"):
-            getattr(into, name)[rows] = getattr(self, name)
+            mine = getattr(self, name)
+            getattr(into, name)[rows] = mine if at is None else mine[at]
+
+    def put(self, rows: torch.Tensor, other: DecodeState) -> None:
+        """Take `other`'s rows (every field, in order) into these buffers at `rows`, in
+        place (a refilled row's fresh state)."""
+        for name in _PER_ROW:
+            mine = getattr(self, name)
+            if mine is not None:
+                mine.index_copy_(0, rows, getattr(other, name))
 
 
 # The state's (B, ...) fields, one row each.
 _PER_ROW = (
     "tokens",
+    "index",
     "finished",
     "logprobs",
     "loop_cut",
@@ -209,24 +230,28 @@ def step(
     caches: DecodeCaches,
     extent: Extent,
     sample: bool,
+    in_step: bool,
 ) -> None:
     """One decode step: the forward of each row's latest token, then `choose`.
 
     extent: the cache slots the forward reads (model.Extent; FIXED in the compiled step).
     sample: whether any row draws (a static argument: the compiled greedy step has no
-    draw in its graph).
+    draw in its graph). in_step: every row is at the same step (see DecodeState.positions).
     """
-    logits = model.decoder(state.recent(1)[:, None], state.positions(), caches, extent)
+    positions = state.positions(in_step)
+    logits = model.decoder(state.recent(1)[:, None], positions, caches, extent)
     choose(rules, state, logits[:, -1], sample)
 
 
 def choose(rules: Rules, state: DecodeState, logits: torch.Tensor, sample: bool) -> None:
     """From a step's (B, V) logits: apply the rules, choose each row's token (argmax, or a
     draw at its temperature when `sample`), add its log-prob, and update the state."""
-    at = state.index.view(1)
+    finished = state.finished
+    # Where each row writes: its index, or the spare column once finished.  (B, 1)
+    at = torch.where(finished, state.max_new, state.index)[:, None]
     probe = state.probe
     if probe is not None:
-        probe.logits.index_copy_(1, at, logits[:, None])
+        probe.logits.scatter_(1, at[:, :, None].expand(-1, 1, logits.shape[1]), logits[:, None])
     last, penult = state.recent(1), state.recent(2)
     max_ts = state.max_timestamp(rules.timestamp_begin)
     text_run = None if state.speech_before is None else state.text_run(rules.timestamp_begin)
@@ -247,19 +272,19 @@ def choose(rules: Rules, state: DecodeState, logits: torch.Tensor, sample: bool)
         tokens = torch.where(state.temperature > 0, drawn, greedy)
     else:
         tokens = greedy
-    finished = state.finished
     tokens = torch.where(finished, rules.eot, tokens)  # (B,)
     # The chosen token's log-prob: its logit less the row's log-sum-exp.
     chosen = logits.gather(1, tokens[:, None])[:, 0] - f32_logsumexp(logits)
-    state.logprobs.index_copy_(1, at, torch.where(finished, 0.0, chosen)[:, None])
-    if probe is None:
-        state.finished.logical_or_(tokens == rules.eot)
-    else:
-        probe.chosen.index_copy_(1, at, tokens[:, None])
+    state.logprobs.scatter_(1, at, torch.where(finished, 0.0, chosen)[:, None])
+    if probe is not None:
+        probe.chosen.scatter_(1, at, tokens[:, None])
         if probe.forced is not None:
-            tokens = probe.forced.index_select(1, at)[:, 0]
-    state.tokens.index_copy_(1, at, tokens[:, None])
+            tokens = probe.forced.gather(1, at)[:, 0]
+    state.tokens.scatter_(1, at, tokens[:, None])
     state.index.add_(1)
+    if probe is None:
+        # Ended, or out of tokens (its last one written).
+        state.finished.logical_or_((tokens == rules.eot) | (state.index >= state.max_new))
 
 
 _M32 = 0xFFFFFFFF
@@ -276,7 +301,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """(B,) seeds, () step -> (B,) float32 uniforms in (0, 1), a pure function of (seed,
+    """(B,) seeds, (B,) steps -> (B,) float32 uniforms in (0, 1), a pure function of (seed,
     step): the same on every device, eager or compiled. Float32 (listed exception): a
     half-precision uniform has 8 bits and rounds to 1.
 
@@ -311,23 +336,37 @@ def draw(
     return torch.where(hit.any(dim=-1), first, likeliest)
 
 
-def stop_loops(state: DecodeState, n: int, policy: Policy, timestamp_begin: int) -> None:
+def stop_loops(state: DecodeState, policy: Policy, timestamp_begin: int) -> None:
     """Repetition guard, on the device: finish rows whose recent tokens repeat a period.
 
-    n: the tokens sampled so far. Timestamps are compared as one symbol, so "text <|t|>
-    <|t'|> text ..." loops are caught although their times advance. A looping row keeps
-    its tokens up to the repeated span (the span's repetitions are cut).
+    A row is judged when it has sampled a multiple of policy.loop_check_every tokens (its
+    own count, whatever step the batch is at), on the last max(min_loop_span, 3 * period)
+    of them against those one period before, for each period up to max_loop_period; the
+    shortest period that repeats wins. Timestamps are compared as one symbol, so "text
+    <|t|> <|t'|> text ..." loops are caught although their times advance. A looping row
+    keeps its tokens up to the repeated span (the span's repetitions are cut).
     """
-    seq = state.tokens[:, :n]
+    seq = state.tokens[:, : state.max_new]
     seq = torch.where(seq >= timestamp_begin, timestamp_begin, seq)
-    for period in range(1, policy.max_loop_period + 1):
-        span = max(policy.min_loop_span, 3 * period)
-        if span + period > n:
-            break
-        periodic = (seq[:, n - span :] == seq[:, n - span - period : n - period]).all(dim=1)
-        new = periodic & ~state.finished
-        state.loop_cut.copy_(torch.where(new, n - span, state.loop_cut))
-        state.finished.logical_or_(new)
+    device = seq.device
+    periods = torch.arange(1, policy.max_loop_period + 1, device=device)  # (P,)
+    spans = periods.mul(3).clamp(min=policy.min_loop_span)  # (P,)
+    offsets = torch.arange(int(spans.max()), device=device)  # (S,)
+    n = state.index[:, None, None]  # (B, 1, 1)
+    # Each period's last `span` tokens of the row, and those one period before.  (B, P, S)
+    at = (n - spans[:, None] + offsets).clamp(min=0, max=seq.shape[1] - 1)
+    before = (at - periods[:, None]).clamp(min=0)
+    b = seq.shape[0]
+    same = seq.gather(1, at.view(b, -1)) == seq.gather(1, before.view(b, -1))
+    within = offsets < spans[:, None]  # (P, S): the span's own offsets
+    periodic = (same.view(at.shape) | ~within).all(dim=-1)  # (B, P)
+    periodic &= n[:, :, 0] >= spans + periods
+    index = state.index
+    due = (index % policy.loop_check_every == 0) & ~state.finished
+    new = periodic.any(dim=1) & due
+    shortest = periodic.to(torch.int8).argmax(dim=1)  # the first True
+    state.loop_cut.copy_(torch.where(new, index - spans[shortest], state.loop_cut))
+    state.finished.logical_or_(new)
 
 
 def decoded_rows(
@@ -337,13 +376,15 @@ def decoded_rows(
     languages: list[str | None],
     temperatures: list[float],
 ) -> list[DecodedRow]:
-    """The host's view of a finished decode: one DecodedRow per row."""
+    """The host's view of a finished decode: one DecodedRow per row of `no_speech` (the
+    state's first rows; padding rows after them are not read)."""
     results = []
+    n, n_max = len(no_speech), state.max_new
     for r, (seq, logprobs, cut) in enumerate(
         zip(
-            state.tokens.tolist(),
-            state.logprobs.tolist(),
-            state.loop_cut.tolist(),
+            state.tokens[:n, :n_max].tolist(),
+            state.logprobs[:n, :n_max].tolist(),
+            state.loop_cut[:n].tolist(),
             strict=True,
         )
     ):

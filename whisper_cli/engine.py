@@ -6,6 +6,13 @@ decode loop and the rows' results; `Engine.align` is the word-alignment pass ove
 same batch, on the cross K/V its decode projected. Each run's data lives in its own
 objects (`Decoded`), never on the engine, except a compiled step's fixed buffers.
 
+A run may hold more windows than the batch decodes at once (`slots`): the rest wait, and
+each row that finishes is refilled with the next of them (continuous batching), so no
+step is spent on a finished row while windows wait. A refilled row starts its own count
+of tokens (positions per row, see decoding.DecodeState), and the repetition guard judges
+every row at the same counts of its own tokens whatever the step: a row's text does not
+depend on which rows share its batch, nor on when it entered it.
+
 It is the one place that knows eager from compiled:
 - eager (CPU default): fresh caches and state per batch; finished rows are dropped from
   the batch as the decode goes, so no work is spent on them.
@@ -21,8 +28,9 @@ ran, so that tools measure through them instead of patching.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -73,9 +81,12 @@ class Decoded:
     compiled engine refills its buffers then)."""
 
     rows: list[DecodedRow]
-    features: torch.Tensor  # (B, S, C) the batch's encoder output, padding rows too
-    cross: list[KV] | None  # the decode's cross K/V per layer, when the engine aligns
+    features: torch.Tensor  # (N, S, C) the run's encoder output, padding rows too
+    # The decode's cross K/V per layer, when the engine aligns and no row was refilled
+    # (a refill overwrites a row's); None: the alignment pass projects them again.
+    cross: list[KV] | None
     run: int  # which of its engine's runs made it
+    width: int  # the rows decoded at once (the alignment pass takes as many)
 
     def kept(self, row: int) -> torch.Tensor:
         """(S, C) a row's encoder output, for a later attempt (a copy, not a view that
@@ -95,6 +106,7 @@ class EngineCounters:
     prefills: int = 0
     steps: int = 0  # one-token decode steps (each for the whole current batch)
     row_steps: int = 0  # sum over steps of the rows in the batch (shrinking shows here)
+    refills: int = 0  # rows refilled with a waiting window as another finished
     tokens: int = 0  # sampled text and timestamp tokens of the real rows, end-of-text excluded
     aligns: int = 0  # word-alignment passes
     graphs: int = 0  # graphs compiled for the step (torch.compile)
@@ -106,6 +118,29 @@ class EngineCounters:
     encode_s: float = 0.0
     decode_s: float = 0.0
     align_s: float = 0.0
+
+
+@dataclass
+class _Run:
+    """A run beyond its batch: every row, and the rows that wait for a place in it."""
+
+    rows: Sequence[WindowInput]
+    features: torch.Tensor  # (N, S, C) every row's encoder output
+    languages: list[str | None]
+    maps: bool  # the rules read the rows' speech maps
+    sample: bool  # some row draws (the step's static argument)
+    no_speech: list[float]  # per run row (padding rows after the real ones)
+    pending: deque[int] = field(default_factory=deque)  # rows that wait, in order
+    refilled: bool = False  # some row was refilled: rows are out of step
+    # During the loop: each batch row's run row (padding rows after the real ones), and
+    # the step before its first token (at step i its index is i - start).
+    slots: torch.Tensor | None = None
+    starts: list[int] = field(default_factory=list)
+
+
+def _speech_amount(row: WindowInput) -> int:
+    """How much a row has to say: its speech frames, else its audio's length."""
+    return int(row.speech.sum()) if row.speech is not None else len(row.audio)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -177,8 +212,9 @@ class Engine:
         pad_to: int = 0,
         on_rows: Callable[[RowPositions], None] | None = None,
         probe: Probe | None = None,
+        slots: int | None = None,
     ) -> Decoded:
-        """Decode a batch of windows; results in row order.
+        """Decode a run of windows; results in row order.
 
         pick_languages: on a multilingual model, rows without a language need the
         language pass, and it decides their languages from its probabilities.
@@ -187,44 +223,109 @@ class Engine:
         its seed and step, so its text does not depend on the other rows of its batch.
         on_rows: told where the real rows still decoding stand (see RowPositions).
         probe: teacher forcing and logit capture (see decoding.Probe).
+        slots: the rows decoded at once; the run's rows past them wait and refill rows
+        that finish (None: every row at once).
         """
+        n = len(rows)
+        width = n if slots is None else min(n, slots)
+        if width == n:
+            return self._run(rows, pick_languages, pad_to, on_rows, probe, width)
+        if probe is not None:
+            raise ValueError("a probed decode runs every row to the end: no refills")
+        # Longest first (most speech: most tokens), so that short rows fill in at the end
+        # rather than a long one starting late and stepping alone; the results, encoder
+        # output, language picker and progress keep the caller's order.
+        order = sorted(range(n), key=lambda r: -_speech_amount(rows[r]))
+        inverse = [0] * n
+        for j, r in enumerate(order):
+            inverse[r] = j
+
+        def pick(codes: list[str], probs: np.ndarray) -> list[str]:
+            chosen = pick_languages(codes, probs[inverse])
+            return [chosen[r] for r in order]
+
+        def report(positions: RowPositions) -> None:
+            on_rows({order[j]: p for j, p in positions.items()})
+
+        decoded = self._run(
+            [rows[r] for r in order],
+            pick if pick_languages is not None else None,
+            pad_to,
+            report if on_rows is not None else None,
+            None,
+            width,
+        )
+        at = torch.tensor(inverse, device=decoded.features.device)
+        return Decoded(
+            [decoded.rows[j] for j in inverse],
+            decoded.features.index_select(0, at),
+            None,  # rows were refilled (see _run)
+            decoded.run,
+            decoded.width,
+        )
+
+    def _run(
+        self,
+        rows: Sequence[WindowInput],
+        pick_languages: LanguagePicker | None,
+        pad_to: int,
+        on_rows: Callable[[RowPositions], None] | None,
+        probe: Probe | None,
+        width: int,
+    ) -> Decoded:
+        """Engine.run with the rows in the order they enter the batch: the first `width`
+        at once, the rest as rows finish."""
         self._runs += 1
         n = len(rows)
-        b = max(n, pad_to) if self.compile else n
-        features = self._encode(rows, b)
+        # A compiled batch is padded to its fixed shape; rows that wait fill it instead.
+        b = max(width, pad_to) if self.compile and width == n else width
+        features = self._encode(rows, b - width, b)
         started = self._start()
-        caches = self._caches(features)
-        languages = self._languages(rows, caches, pick_languages)
-        padded = [*rows, *[WindowInput(np.zeros(0, np.float32))] * (b - n)]
-        state = self._start_state(padded, probe)
+        caches = self._caches(features[:b])
+        languages = self._languages(rows, features, caches, pick_languages)
+        padded = [*rows[:width], *[WindowInput(np.zeros(0, np.float32))] * (b - width)]
+        maps = self.options.timestamps and rows[0].speech is not None
+        state = self._start_state(padded, maps, probe)
         # Whether any row draws: the step's static argument (the greedy graph has no draw).
         sample = any(r.temperature > 0 for r in rows)
-        no_speech = self._prefill(state, caches, [*languages, *[languages[0]] * (b - n)], sample)
-        final = self._loop(state, caches, n, sample, on_rows, guard=probe is None)
+        no_speech = self._prefill(
+            state, caches, [*languages[:width], *[languages[0]] * (b - width)], sample
+        )
+        no_speech = [*no_speech[:width], *[0.0] * (n - width), *no_speech[width:]]
+        run = _Run(rows, features, languages, maps, sample, no_speech, deque(range(width, n)))
+        final = self._loop(state, caches, run, on_rows, guard=probe is None)
         results = decoding.decoded_rows(
             final,
             self.special.eot,
-            no_speech[:n],
+            run.no_speech[:n],
             languages,
             [r.temperature for r in rows],
         )
         self.counters.tokens += sum(len(r.tokens) for r in results)
         self.counters.decodes += 1
-        self.counters.decoded_rows += b
+        self.counters.decoded_rows += n + b - width
         self.counters.decode_s += self._stop(started)
-        cross = caches.cross_kv() if self.aligner is not None else None
-        return Decoded(results, features, cross, self._runs)
+        keep_cross = self.aligner is not None and not run.refilled
+        cross = caches.cross_kv() if keep_cross else None
+        return Decoded(results, features, cross, self._runs, b)
 
     @torch.inference_mode()
     def align(self, decoded: Decoded, texts: Sequence[AlignRow]) -> list[WindowWords]:
         """Word timings of `texts`, one per real row of `decoded` (rows with no tokens get
-        none), from one teacher-forced pass over the batch."""
+        none), from teacher-forced passes over its rows, a batch's width at a time."""
         if self.aligner is None:
             raise ValueError("this engine does not align words (Engine(words=True))")
         if decoded.run != self._runs:
             raise ValueError("a batch is aligned before the engine's next run")
         started = self._start()
-        words = self.aligner.align(decoded.features, texts, decoded.cross)
+        width = decoded.width
+        if decoded.cross is not None:
+            words = self.aligner.align(decoded.features, texts, decoded.cross)
+        else:
+            words = []
+            for at in range(0, len(decoded.features), width):
+                chunk = decoded.features[at : at + width]
+                words += self.aligner.align(chunk, texts[at : at + len(chunk)])
         self.counters.align_s += self._stop(started)
         self.counters.aligns += 1
         return words
@@ -245,69 +346,90 @@ class Engine:
 
     # -- the stages of a run -------------------------------------------------------------
 
-    def _encode(self, rows: Sequence[WindowInput], b: int) -> torch.Tensor:
-        """(b, S, C): the rows' encoder outputs, then silent padding rows; only the rows
-        not encoded before (and the padding) pass through the encoder."""
-        fresh = [r for r, row in enumerate(rows) if row.features is None]
-        n_encoded = len(fresh) + b - len(rows)
-        encoded = None
-        if n_encoded:
+    def _encode(self, rows: Sequence[WindowInput], pad: int, chunk: int) -> torch.Tensor:
+        """(len(rows) + pad, S, C): the rows' encoder outputs, then `pad` silent rows; only
+        the rows not encoded before (and the padding) pass through the encoder, `chunk`
+        at a time (a batch's worth: the shapes its kernel plan covers)."""
+        n = len(rows)
+        todo = [r for r, row in enumerate(rows) if row.features is None] + list(range(n, n + pad))
+        features = None
+        for at in range(0, len(todo), chunk):
+            part = todo[at : at + chunk]
             mel = batch_log_mel(
-                [rows[r].audio for r in fresh],
-                n_encoded,
+                [rows[r].audio for r in part if r < n],  # then silence for the padding
+                len(part),
                 self.loaded.config.num_mel_bins,
                 self.model.device,
             )
-            encoded = self.encode(mel)  # the fresh rows, then the padding
-            if n_encoded == b:
+            encoded = self.encode(mel)
+            if len(part) == n + pad:
                 return encoded
+            if features is None:
+                features = encoded.new_empty((n + pad, *encoded.shape[1:]))
+            features[part] = encoded
         kept = [r for r, row in enumerate(rows) if row.features is not None]
-        like = rows[kept[0]].features
-        features = like.new_empty((b, *like.shape))
-        features[kept] = torch.stack([rows[r].features for r in kept])
-        if encoded is not None:
-            features[fresh] = encoded[: len(fresh)]
-            features[len(rows) :] = encoded[len(fresh) :]
+        if kept:
+            stacked = torch.stack([rows[r].features for r in kept])
+            if features is None:
+                features = stacked.new_empty((n + pad, *stacked.shape[1:]))
+            features[kept] = stacked
         return features
 
     def _languages(
         self,
         rows: Sequence[WindowInput],
+        features: torch.Tensor,
         caches: DecodeCaches,
         pick: LanguagePicker | None,
     ) -> list[str | None]:
         """Each row's language: its own, or the picker's from the language pass (one step
-        after <|startoftranscript|> over the whole batch, read for the real rows)."""
+        after <|startoftranscript|>, read for the real rows): over the batch's caches, and
+        over caches made for it for the rows that wait (a batch's width at a time)."""
         languages = [r.language for r in rows]
         if not self.loaded.tokenizer.is_multilingual or all(languages):
             return languages
         if pick is None:
             raise ValueError("rows without a language need a language picker")
         tokenizer = self.loaded.tokenizer
+        codes = list(tokenizer.language_ids)
+        ids = torch.tensor([tokenizer.language_ids[c] for c in codes], device=features.device)
+        width = caches.rows
+        probs = [self._language_probs(caches, ids)[: min(len(rows), width)]]
+        for at in range(width, len(rows), width):
+            waiting = range(at, min(at + width, len(rows)))
+            if all(languages[r] for r in waiting):  # never read by the picker
+                probs.append(probs[0].new_zeros((len(waiting), len(codes))))
+                continue
+            own = self.model.decoder.new_caches(features[at : at + len(waiting)], 1)
+            probs.append(self._language_probs(own, ids))
+        return list(pick(codes, torch.cat(probs).cpu().numpy()))
+
+    def _language_probs(self, caches: DecodeCaches, ids: torch.Tensor) -> torch.Tensor:
+        """(B, n_languages) float32: each row's probabilities over the languages only."""
         device = self.model.device
         tokens = torch.full((caches.rows, 1), self.special.sot, device=device)
         positions = torch.zeros(1, dtype=torch.long, device=device)
         logits = self.model.decoder(tokens, positions, caches, Extent(1))
         self.counters.language_passes += 1
-        codes = list(tokenizer.language_ids)
-        ids = torch.tensor([tokenizer.language_ids[c] for c in codes], device=device)
-        probs = f32_log_softmax(logits[: len(rows), 0, ids]).exp()  # over languages only
-        return list(pick(codes, probs.cpu().numpy()))
+        return f32_log_softmax(logits[:, 0, ids]).exp()
 
-    def _start_state(self, rows: Sequence[WindowInput], probe: Probe | None) -> DecodeState:
+    def _start_state(
+        self, rows: Sequence[WindowInput], maps: bool, probe: Probe | None = None
+    ) -> DecodeState:
+        """The state of `rows` before their prompt; maps: the rules read the rows' speech
+        maps (padding rows have an empty one: never held open, nothing to pass over)."""
         speech = None
-        if self.options.timestamps and all(r.speech is not None for r in rows[:1]):
-            # Padding rows have an empty map: never held open, nothing to pass over.
+        if maps:
             p = self.options.policy
-            maps = [r.speech if r.speech is not None else np.zeros(0, bool) for r in rows]
+            empty = np.zeros(0, bool)
             speech = SpeechGrid.from_maps(
-                maps,
+                [r.speech if r.speech is not None else empty for r in rows],
                 self.n_timestamps,
                 p.min_speech_seconds,
                 p.end_slack_seconds,
                 self.model.device,
             )
-        state = DecodeState.start(
+        return DecodeState.start(
             self.max_new,
             self.prompt_length,
             [r.temperature for r in rows],
@@ -318,7 +440,6 @@ class Engine:
             speech,
             probe,
         )
-        return state
 
     def _prefill(
         self,
@@ -347,52 +468,117 @@ class Engine:
         self,
         state: DecodeState,
         caches: DecodeCaches,
-        n: int,
-        sample: bool,
+        run: _Run,
         on_rows: Callable[[RowPositions], None] | None,
         guard: bool,
     ) -> DecodeState:
-        """Step until every row has finished (or max_new tokens); returns the whole
-        batch's state (the eager path steps over fewer rows as they finish).
+        """Step until every row has finished (or max_new tokens) and no row waits; returns
+        the whole run's state (the eager path steps over fewer rows as they finish, rows
+        that wait take the places of rows that finish).
 
         guard: run the repetition guard (a probed decode steps every row to the end)."""
         if self.compile:
             state = self._static_state(state, caches)
-        final = state  # the whole batch's tokens and results
-        rows = torch.arange(caches.rows, device=self.model.device)  # each active row's
+        b, n = caches.rows, len(run.rows)
+        width = n - len(run.pending)
+        # The whole run's tokens and results; the batch's own state while no row waits.
+        final = state if not run.pending else self._results(n + b - width)
+        slots = [*range(width), *range(n, n + b - width)]
+        run.slots = torch.tensor(slots, device=self.model.device)
+        run.starts = [0] * b
         # Dynamo's counters only where it runs (importing it costs an eager run time).
         graphs_before = _dynamo_counts() if self.compile else None
         next_report = time.perf_counter() if on_rows is not None else None
-        for i in range(1, self.max_new):  # i tokens sampled so far
-            if guard and i % self.options.policy.loop_check_every == 0:
-                decoding.stop_loops(state, i, self.options.policy, self.special.timestamp_begin)
+        every = self.options.policy.loop_check_every
+        i = 1  # the step: the oldest row has sampled i tokens
+        while run.pending or i < max(run.starts) + self.max_new:
+            # The guard judges each row at multiples of `every` of its own tokens.
+            if guard and any((i - s) % every == 0 for s in set(run.starts)):
+                decoding.stop_loops(state, self.options.policy, self.special.timestamp_begin)
             if i % self.sync_every == 0:
                 if next_report is not None and time.perf_counter() >= next_report:
-                    n_active = self._report_rows(state, rows, n, on_rows)
+                    n_active = self._report_rows(state, run.slots, n, on_rows)
                     next_report = time.perf_counter() + PROGRESS_SECONDS
                 else:
                     n_active = int((~state.finished).sum())
-                if n_active == 0:
+                if n_active == 0 and not run.pending:
                     break
-                if self.shrink and n_active <= 0.75 * len(rows):
-                    # Drop finished rows once they are a quarter of the batch.
-                    keep = (~state.finished).nonzero()[:, 0]
-                    if state is not final:
-                        state.store(final, rows)
-                    rows = rows[keep]
-                    state, caches = state.select(keep), caches.select(keep)
-            if self.compile:
-                self._compiled(sample)(state, caches)
-            else:
-                extent = Extent(self.prompt_length + i)
-                decoding.step(self.model, self.rules, state, caches, extent, sample)
-            self.counters.steps += 1
-            self.counters.row_steps += len(rows)
+                if run.pending and n_active < len(run.slots):
+                    self._refill(state, caches, run, final, i)
+                elif not run.pending and self.shrink and n_active <= 0.75 * len(run.slots):
+                    state, caches = self._drop_finished(state, caches, run, final)
+            self._step(state, caches, run, i)
+            i += 1
         if state is not final:
-            state.store(final, rows)
+            state.store(final, run.slots)
         if graphs_before is not None:
             self._count_graphs(graphs_before)
         return final
+
+    def _step(self, state: DecodeState, caches: DecodeCaches, run: _Run, i: int) -> None:
+        """Step i of the loop over the batch: the compiled step, or the eager one over the
+        cache slots written so far (its rows in step until one is refilled)."""
+        if self.compile:
+            self._compiled(run.sample)(state, caches)
+        else:
+            extent = Extent(self.prompt_length + min(i - min(run.starts), self.max_new))
+            in_step = not run.refilled
+            decoding.step(self.model, self.rules, state, caches, extent, run.sample, in_step)
+        self.counters.steps += 1
+        self.counters.row_steps += len(run.slots)
+
+    def _drop_finished(
+        self, state: DecodeState, caches: DecodeCaches, run: _Run, final: DecodeState
+    ) -> tuple[DecodeState, DecodeCaches]:
+        """The eager batch without its finished rows (their results kept in `final`)."""
+        keep = (~state.finished).nonzero()[:, 0]
+        if state is not final:
+            state.store(final, run.slots)
+        run.starts = [run.starts[k] for k in keep.tolist()]
+        run.slots = run.slots[keep]
+        return state.select(keep), caches.select(keep)
+
+    def _refill(
+        self, state: DecodeState, caches: DecodeCaches, run: _Run, final: DecodeState, i: int
+    ) -> None:
+        """At step i, refill finished batch rows with the rows that wait, in order: the
+        finished rows' results to `final`, then each new row's cross K/V, prompt and first
+        token (its own prefill) written in place of the old row's."""
+        slots = state.finished.nonzero()[:, 0][: len(run.pending)]
+        state.store(final, run.slots[slots], at=slots)
+        new = [run.pending.popleft() for _ in range(len(slots))]
+        fresh = [run.rows[j] for j in new]
+        own = self.model.decoder.new_caches(run.features[new], self.prompt_length)
+        prompted = self._start_state(fresh, run.maps)
+        languages = [run.languages[j] for j in new]
+        for j, p in zip(new, self._prefill(prompted, own, languages, run.sample), strict=True):
+            run.no_speech[j] = p
+        t0 = self.prompt_length
+        for big, small in zip(caches.self_attn, own.self_attn, strict=True):
+            big.k[:, :, :t0].index_copy_(0, slots, small.k)
+            big.v[:, :, :t0].index_copy_(0, slots, small.v)
+        for big, small in zip(caches.cross, own.cross, strict=True):
+            big.k.index_copy_(0, slots, small.k)
+            big.v.index_copy_(0, slots, small.v)
+        state.put(slots, prompted)
+        run.slots[slots] = torch.tensor(new, device=run.slots.device)
+        for slot in slots.tolist():
+            run.starts[slot] = i - 1  # its first token came from its prefill
+        run.refilled = True
+        self.counters.refills += len(new)
+
+    def _results(self, n: int) -> DecodeState:
+        """A state of n rows that holds a run's tokens and results (DecodeState.store)."""
+        zeros = [0] * n
+        return DecodeState.start(
+            self.max_new,
+            self.prompt_length,
+            [0.0] * n,
+            zeros,
+            self.special.eot,
+            self.model.dtype,
+            self.model.device,
+        )
 
     def _report_rows(
         self, state: DecodeState, rows: torch.Tensor, n: int, on_rows: Callable
@@ -448,7 +634,7 @@ class Engine:
             model, rules = self.model, self.rules
 
             def step(state: DecodeState, caches: DecodeCaches) -> None:
-                compiled(model, rules, state, caches, FIXED, sample)
+                compiled(model, rules, state, caches, FIXED, sample, False)
 
             self._steps[sample] = step
         return step

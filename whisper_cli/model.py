@@ -34,9 +34,15 @@ class KVCache:
         self.k, self.v = k, v
 
     def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # positions: (T,) int64; k, v: (B, H, T, D)
-        self.k.index_copy_(2, positions, k)
-        self.v.index_copy_(2, positions, v)
+        # positions: (T,) int64, the same for every row, or (B, T) each row its own (rows
+        # out of step, see Extent); k, v: (B, H, T, D)
+        if positions.dim() == 1:
+            self.k.index_copy_(2, positions, k)
+            self.v.index_copy_(2, positions, v)
+            return
+        at = positions[:, None, :, None].expand(k.shape)  # (B, H, T, D)
+        self.k.scatter_(2, at, k)
+        self.v.scatter_(2, at, v)
 
     def select(self, rows: torch.Tensor) -> KVCache:
         return KVCache(self.k.index_select(0, rows), self.v.index_select(0, rows))
@@ -71,10 +77,12 @@ class DecodeCaches:
 class Extent:
     """The self-attention cache slots a decoder call reads.
 
-    written: the slots written once this call's tokens are (eager calls; the positions
-    are consecutive and end at written - 1): attention reads only those, causal among
-    the call's own tokens, with no mask to build. None: the whole cache under a causal
-    mask built from the positions, so that shapes are fixed for a given (B, T) and the
+    written: the slots written once this call's tokens are (eager calls): attention reads
+    only those. With positions shared by every row (T,), consecutive and ending at
+    written - 1, it is causal among the call's own tokens with no mask to build; with
+    positions per row (B, T) (rows out of step once a batch is refilled, see engine.py),
+    each row sees the slots up to its own position. None: the whole cache under a mask
+    built from the positions, so that shapes are fixed for a given (B, T) and the
     one-token step compiles once and replays.
     """
 
@@ -173,12 +181,14 @@ class Attention(nn.Module):
         cache as far as `extent` says."""
         q, k, v = (self.split_heads(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
         cache.write(positions, k, v)
-        if extent.written is None:
-            # Position p sees cache slots 0..p.  (T, L) bool
-            mask = torch.arange(cache.k.shape[2], device=x.device) <= positions[:, None]
-            return self.attend(q, cache.k, cache.v, mask)
-        k, v = cache.k[:, :, : extent.written], cache.v[:, :, : extent.written]
-        return self.attend(q, k, v, causal=q.shape[2] > 1)  # several tokens: from position 0
+        k, v = cache.k, cache.v
+        if extent.written is not None:
+            k, v = k[:, :, : extent.written], v[:, :, : extent.written]
+            if positions.dim() == 1:
+                return self.attend(q, k, v, causal=q.shape[2] > 1)  # several: from position 0
+        # Position p sees cache slots 0..p: (T, L) bool, or (B, 1, T, L) with rows' own.
+        mask = torch.arange(k.shape[2], device=x.device) <= positions[..., None]
+        return self.attend(q, k, v, mask if positions.dim() == 1 else mask[:, None])
 
     def forward_cross(
         self, x: torch.Tensor, kv: KV, heads: torch.Tensor | None = None
@@ -347,8 +357,8 @@ class Decoder(nn.Module):
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, caches: DecodeCaches, extent: Extent
     ) -> torch.Tensor:
-        """Tokens (B, T) at positions (T,) -> logits (B, T, V): a decode step (T 1), a
-        prompt, or the language pass."""
+        """Tokens (B, T) at positions (T,), or (B, T) each row its own -> logits (B, T, V):
+        a decode step (T 1), a prompt, or the language pass."""
         return self.logits(self.hidden(tokens, positions, caches, extent)[0])
 
     def hidden(
@@ -359,7 +369,7 @@ class Decoder(nn.Module):
         extent: Extent,
         heads: dict[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Tokens (B, T) at positions (T,) -> the final hidden states (B, T, C), and the
+        """Tokens (B, T) at positions (T,) or (B, T) -> the final hidden states (B, T, C), and the
         cross-attention scores of the heads `heads` names ({layer: head indices}; word
         timing), (B, n_heads, T, S) in the model dtype, ordered by layer then head (None
         without heads)."""

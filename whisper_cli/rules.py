@@ -135,14 +135,14 @@ def apply_rules(
 ) -> torch.Tensor:
     """(B, V) logits -> (B, V) logits with the rules applied; the input is left alone.
 
-    index: () int64, the step (0: the first sampled token); last, penult, max_ts: (B,)
-    int64, the last two tokens (-1 before any) and the largest timestamp so far (-1).
+    index: (B,) int64, each row's step (0: its first sampled token); last, penult, max_ts:
+    (B,) int64, the last two tokens (-1 before any) and the largest timestamp so far (-1).
     speech_after, speech_before: the rows' SpeechGrid (see there); while speech lies after
     a row's latest timestamp it may not end, and a timestamp may not pass over more
     speech than rules.skip allows. text_run (B,) int64: text tokens since the row's
     latest timestamp (needed with speech_before).
     """
-    first = index == 0
+    first = (index == 0)[:, None]
     logits = logits.masked_fill(torch.where(first, rules.begin_suppress, rules.suppress), NEG_INF)
     if not rules.timestamps:
         return logits
