@@ -1,5 +1,6 @@
 """The compiled step (torch.compile, inductor on CPU) is the eager step: same texts through
-the whole pipeline, fallback rows included, from one graph per step function."""
+the whole pipeline, fallback rows included, from one graph per step function, batches
+stepped to their end or rows refilled as they finish."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def same(a: dict[str, list], b: dict[str, list]) -> None:
 def test_compiled_pipeline_equals_eager_with_fallback_rows(tiny_en, five, transcriber, monkeypatch):
     eager = transcriber(tiny_en, batch_size=2)
     expected = run(eager, five, monkeypatch)
-    compiled = transcriber(tiny_en, batch_size=2, compile=True)
+    compiled = transcriber(tiny_en, batch_size=2, compile=True, refill=False)
     got = run(compiled, five, monkeypatch)
     same(got, expected)
     assert any(MARK in s.text.lower() for s in got[five[2]])
@@ -84,6 +85,16 @@ def test_compiled_pipeline_equals_eager_with_fallback_rows(tiny_en, five, transc
     # The eager engine dropped finished rows; the compiled one kept its fixed batch.
     assert eager.engine.counters.row_steps < 2 * eager.engine.counters.steps
     assert counters.row_steps == 2 * counters.steps
+
+    # Refilled (the default where compiled): rows written in place in the fixed buffers,
+    # the same graphs replayed, the same text, every window and fallback decoded.
+    refilled = transcriber(tiny_en, batch_size=2, compile=True)
+    same(run(refilled, five, monkeypatch), expected)
+    ran = refilled.engine.counters
+    assert ran.refills > 0
+    assert (ran.recompiles, ran.graph_breaks) == (0, 0)
+    assert refilled.counters.fallbacks == compiled.counters.fallbacks
+    assert ran.row_steps == 2 * ran.steps  # the fixed batch
 
 
 @pytest.mark.cuda

@@ -269,14 +269,18 @@ def test_batch_size_does_not_change_results(tiny_en, transcriber) -> None:
         for name in ("jfk.flac", "multilingual.mp3", "hotwords.mp3", "stereo_diarization.wav")
     ]
 
-    def run(batch_size: int) -> list[tuple]:
+    def run(batch_size: int, refill: bool = False) -> list[tuple]:
         results, errors = [], []
-        transcriber(tiny_en, batch_size=batch_size).run(paths, results.append, errors.append)
+        t = transcriber(tiny_en, batch_size=batch_size, refill=refill)
+        t.run(paths, results.append, errors.append)
         assert not errors
+        assert (t.engine.counters.refills > 0) == (refill and batch_size == 1)
         return [(r.path, r.text, [(s.start, s.end, s.text) for s in r.segments]) for r in results]
 
-    one, sixteen = run(1), run(16)
-    assert sorted(one) == sorted(sixteen)
+    # One row at a time, in batches or refilled as each finishes (continuous batching,
+    # fallbacks decoded ahead among them), and sixteen.
+    one, refilled, sixteen = run(1), run(1, refill=True), run(16)
+    assert sorted(one) == sorted(sixteen) == sorted(refilled)
     assert {path for path, _, _ in one} == set(paths)
 
 
@@ -317,3 +321,22 @@ def test_ffmpeg_only_formats_transcribe_like_flac(
     assert english(result.text) == english(expected)
     assert re.search(r"ask not what your country", english(result.text))
     assert result.duration == pytest.approx(11.0, abs=0.1)
+
+
+@pytest.mark.slow
+def test_refilled_rows_give_the_same_text(tiny_en, long_form, transcriber) -> None:
+    """Continuous batching: with 2 rows at a time and 4 batches' windows a run, rows that
+    finish take the next windows mid-decode. The text, segments, windows and fallbacks
+    are those of batches decoded one after another, and the decode takes fewer steps."""
+    on = transcriber(tiny_en, batch_size=2, refill=True)
+    off = transcriber(tiny_en, batch_size=2, refill=False)
+    refilled, plain = on.transcribe(str(long_form["path"])), off.transcribe(str(long_form["path"]))
+    assert on.engine.counters.refills > 0 and off.engine.counters.refills == 0
+    assert [(s.start, s.end, s.text) for s in refilled.segments] == [
+        (s.start, s.end, s.text) for s in plain.segments
+    ]
+    assert (on.counters.windows, on.counters.fallbacks) == (
+        off.counters.windows,
+        off.counters.fallbacks,
+    )
+    assert on.engine.counters.steps < off.engine.counters.steps

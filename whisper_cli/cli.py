@@ -192,6 +192,16 @@ CompileOpt = Annotated[
         rich_help_panel=PANEL_PERFORMANCE,
     ),
 ]
+RefillOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--refill/--no-refill",
+        metavar="",
+        help="Give each row that finishes the next window at once (continuous batching; "
+        "the same text either way). Default: where the step is compiled.",
+        rich_help_panel=PANEL_PERFORMANCE,
+    ),
+]
 LanguageOpt = Annotated[
     str | None,
     typer.Option(
@@ -418,12 +428,14 @@ TRANSCRIPTION_OPTIONS: dict[str, tuple[Any, Any]] = {
     ),
     "batch_size": (BatchSizeOpt, TranscribeOptions.batch_size),
     "compile": (CompileOpt, Compile.auto),
+    "refill": (RefillOpt, None),
 }
 # What bench varies (its --dtype takes a list; its audio is its own) and what eval does.
 BENCH_OPTIONS = (
     "model",
     "device",
     "compile",
+    "refill",
     "language",
     "no_timestamps",
     "max_new_tokens",
@@ -502,6 +514,7 @@ def run_options(flags: dict[str, Any]) -> RunOptions:
         initial_prompt=f["initial_prompt"],
         channel=parse_channel(f["channel"]),
         vad=not f["no_vad"],
+        refill=f["refill"],
         policy=_policy(f),
         word_timestamps=f["word_timestamps"],
     )

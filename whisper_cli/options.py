@@ -204,6 +204,12 @@ def parse_latency(text: str) -> float | None:
     return seconds
 
 
+# With refill, a run holds this many batches of windows: more rows refilled per batch that
+# drains at a run's end, against a longer wait before the run's text is written (and its
+# windows' encoder outputs held meanwhile).
+RUN_BATCHES = 4
+
+
 @dataclass(frozen=True)
 class TranscribeOptions:
     language: str | None = None  # None: detect per input (or per window if multilingual)
@@ -215,6 +221,13 @@ class TranscribeOptions:
     initial_prompt: str | None = None
     channel: str | int | None = None
     compile: bool = False
+    # Continuous batching: a run holds RUN_BATCHES batches of windows, and each row that
+    # finishes takes the next window at once (engine.py), instead of the batch stepping
+    # until its last row ends. The same text either way. None: where the step is compiled
+    # (a step costs the same at 1 row as at 16 there); the eager CPU step drops finished
+    # rows instead, and refills cost it the waiting windows' encoder outputs held for no
+    # time saved (README, Speed). Off under a latency bound (a window waits for its run).
+    refill: bool | None = None
     # The speech map decides which audio is decoded (windows), and is evidence for text
     # over non-speech. Off: every window of the input is decoded, as plain Whisper does,
     # and only the decoder's own guards drop text; the map still keeps a decode from

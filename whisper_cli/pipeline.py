@@ -30,7 +30,13 @@ from whisper_cli.engine import Decoded, Engine, WindowInput
 from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.judge import Judgement, judge
 from whisper_cli.loading import LoadedModel
-from whisper_cli.options import Policy, TranscribeOptions, check_options, run_latency
+from whisper_cli.options import (
+    RUN_BATCHES,
+    Policy,
+    TranscribeOptions,
+    check_options,
+    run_latency,
+)
 from whisper_cli.progress import FINDING_SPEECH, Progress, Reporter
 from whisper_cli.results import Segment, Transcript, TranscriptWarning
 from whisper_cli.scheduler import Counters, Failed, Finished, Job, Scheduler, Settled, Track
@@ -114,6 +120,7 @@ class Transcriber:
         # The map also places the cuts with the detector off, so it is always loaded.
         self.detector = load_detector()
         self.rows = options.batch_size  # halved for the rest of the run on out-of-memory
+        self.per_run = 1  # batches of windows a run holds (see TranscribeOptions.refill)
         self.counters = Counters()
         self._results: list[_Result] = []  # per input of the run in progress
         self._reporter = Reporter(None, 0.0, lambda: 0.0)  # the run in progress's
@@ -191,6 +198,9 @@ class Transcriber:
 
     def _scheduler(self, sources: list[AudioSource]) -> Scheduler:
         latency = run_latency(self.options.latency, any(s.live for s in sources))
+        refill = self.options.refill
+        refill = self.options.compile if refill is None else refill
+        self.per_run = RUN_BATCHES if refill and latency is None else 1
         return Scheduler(
             sources,
             lambda i: WindowCutter(
@@ -201,15 +211,16 @@ class Transcriber:
                 latency=latency,
                 waited=sources[i].waited,
             ),
-            self.options.batch_size,
+            self.options.batch_size * self.per_run,
             len(self.policy.temperatures),
             self.counters,
-            rows=lambda: self.rows,
+            rows=lambda: self.rows * self.per_run,
             latency=latency,
         )
 
     def _decode_batch(self, batch: list[Job]) -> list[Job]:
-        """Decode a batch in chunks of self.rows; out of memory halves self.rows and retries.
+        """Decode a batch in runs of self.per_run batches of self.rows; out of memory halves
+        self.rows and retries.
 
         Returns the jobs to decode again at their next temperature."""
         again: list[Job] = []
@@ -219,18 +230,18 @@ class Transcriber:
             [j.window.duration if j.attempt == 0 and j.ahead_of is None else None for j in batch]
         )
         while done < len(batch):
-            chunk = batch[done : done + self.rows]
+            chunk = batch[done : done + self.rows * self.per_run]
             try:
                 again += self._decode_rows(chunk, done)
             except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError in newer torch
                 if self.rows == 1:
                     raise WhisperCliError("out of memory with a batch of one window") from None
+                tried = min(len(chunk), self.rows)
                 self.rows //= 2
                 if self.loaded.policy.device.type == "cuda":
                     torch.cuda.empty_cache()
                 warnings.warn(
-                    f"out of memory at batch size {len(chunk)}; "
-                    f"retrying with batch size {self.rows}",
+                    f"out of memory at batch size {tried}; retrying with batch size {self.rows}",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -250,6 +261,7 @@ class Transcriber:
             [self._window_input(j) for j in batch],
             partial(self._pick_languages, batch),
             pad_to=self.rows,
+            slots=self.rows,
             on_rows=watch,
         )
         for job, row in zip(batch, decoded.rows, strict=True):

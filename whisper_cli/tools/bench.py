@@ -85,6 +85,7 @@ class BenchConfig:
     duration: float | None = None  # tile (or cut) the audio to this many seconds
     max_new_tokens: int = MAX_NEW_TOKENS  # what transcribe decodes
     compile: str = "auto"  # auto: on for CUDA, off on CPU
+    refill: bool | None = None  # continuous batching; None: where the step is compiled
     repeats: int = 3  # timed runs after the warm-up; the median is reported
     timestamps: bool = True
     vad: bool = True  # the speech map decides where speech is (off: every window decoded)
@@ -106,6 +107,7 @@ class BenchConfig:
             batch_size=d.batch_size,
             max_new_tokens=d.max_new_tokens,
             compile=options.compile,
+            refill=d.refill,
             timestamps=d.timestamps,
             vad=d.vad,
             word_timestamps=d.word_timestamps,
@@ -173,6 +175,7 @@ class ConfigResult:
     word_timing_overhead: float = 0.0
     text_sha256: str = ""  # of `text`: compiled = eager at a glance, across machines
     quantize: str = "none"  # the linear layers' weights: none (the dtype's) or int8
+    refill: bool = False  # continuous batching (engine.refills counts the rows refilled)
     # engine.EngineCounters per timed run (graphs, recompiles, cudagraph_skips, steps...),
     # and their totals after the warm-up run (where compilation happens).
     engine: dict[str, float] = field(default_factory=dict)
@@ -328,6 +331,7 @@ def _child_spec(
         "quantize": config.quantize,
         "device": config.device,
         "compile": config.compile,
+        "refill": config.refill,
         "batch_size": config.batch_size,
         "max_new_tokens": config.max_new_tokens,
         "repeats": config.repeats,
@@ -468,6 +472,7 @@ def measure(
         batch_size=spec["batch_size"],
         max_new_tokens=spec["max_new_tokens"],
         compile=compiled,
+        refill=spec.get("refill"),
         vad=spec.get("vad", True),
         word_timestamps=spec.get("word_timestamps", False),
     )
@@ -515,6 +520,7 @@ def measure(
     transcript = runs[-1][1]
     audio_s = spec["n_samples"] / SAMPLE_RATE
     transcriber_words = engine.aligner is not None
+    refill = transcriber.per_run > 1  # as the run resolved it (None: where compiled)
     align_run = ran["align_s"]
     comparison = None
     if spec["against"]:
@@ -560,6 +566,7 @@ def measure(
         word_timing_overhead=align_run / (wall - align_run) if wall > align_run else 0.0,
         text_sha256=hashlib.sha256(transcript.text.encode()).hexdigest(),
         quantize=policy.quantize,
+        refill=refill,
         engine=ran,
         engine_warmup=dataclasses.asdict(engine_before),
         kernels=plan.report() if plan is not None else {},
