@@ -83,6 +83,7 @@ class BenchRun:
     dtype: str
     compile: bool
     against: str | None = None
+    refill: bool | None = None  # continuous batching; None: the product's default
 
 
 BENCH = {
@@ -94,6 +95,9 @@ BENCH = {
     "bench-large-v3-f16-compiled": BenchRun("large-v3", "f16", True),
     "bench-turbo-f16-compiled": BenchRun("turbo", "f16", True),
     "bench-turbo-bf16-transformers": BenchRun("turbo", "bf16", False, "transformers"),
+    # The compiled runs refill rows as they finish (the default where compiled): this one
+    # steps batches to their end, for the same tokens and the steps refilling saved.
+    "bench-turbo-bf16-batches": BenchRun("turbo", "bf16", True, refill=False),
 }
 
 # The whole run's budget (the device runs the driver under its own timeout, 540 s), and
@@ -115,6 +119,7 @@ PLAN = (
     Stage("dtype", 60, 20, 12, "dtype recorder over whole bf16 and f16 runs, on the device"),
     Stage("bench-large-v3-bf16-eager", 90, 40, 25, "compiled >= 2x eager"),
     Stage("bench-large-v3-f32-compiled", 200, 105, 95, "bf16 >= 1.6x f32"),
+    Stage("bench-turbo-bf16-batches", 90, 35, 30, "refilled vs batches: same tokens, steps"),
     Stage("encoder", 90, 60, 25, "large-v3 bf16 encoder, torch.compile vs eager"),
     Stage("parity-large-v3", 180, 150, 40, "teacher-forced logits with 32 decoder layers"),
     Stage("bench-large-v3-f16-compiled", 200, 105, 95, "f16"),
@@ -806,6 +811,7 @@ def stage_bench(name: str) -> dict[str, Any]:
         duration=n_samples / SAMPLE_RATE,
         max_new_tokens=16 if small() else MAX_NEW_TOKENS,
         compile="on" if run.compile else "off",
+        refill=run.refill,
         repeats=1 if one else 3,
         against=run.against,
         device=device_name(),
@@ -933,6 +939,26 @@ def token_agreement(a: str, b: str) -> str:
         f"identical, mean agreement {agreement / n:.3f}, mean common prefix {prefix / n:.1f} "
         f"tokens"
     )
+
+
+def refill_lines(stages: dict[str, Any], refilled: str, batches: str) -> list[str]:
+    """Continuous batching on the device: steps and row-steps of a refilled bench stage
+    against the same configuration stepped in batches, and their per-window tokens."""
+    counts = []
+    for name in (refilled, batches):
+        result = stages.get(f"bench-{name}", {}).get("result") or {}
+        engine = result.get("engine") or {}
+        counts.append(engine if "steps" in engine else None)
+    line = "- refilled / batches (turbo bf16 compiled): "
+    if all(counts):
+        a, b = counts
+        line += (
+            f"steps {a['steps']:.0f} vs {b['steps']:.0f}, row-steps {a['row_steps']:.0f} vs "
+            f"{b['row_steps']:.0f}, rows refilled {a.get('refills', 0):.0f}"
+        )
+    else:
+        line += "not measured"
+    return [line, f"  - {token_agreement(f'bench-{refilled}', f'bench-{batches}')}"]
 
 
 def summarise(out_dir: Path) -> None:
@@ -1122,6 +1148,7 @@ def summarise(out_dir: Path) -> None:
             lines.append(f"- {label} >= {goal}: {ratio}")
             if "eager" in b:
                 lines.append(f"  - {token_agreement(f'bench-{a}', f'bench-{b}')}")
+        lines += refill_lines(stages, "turbo-bf16-compiled", "turbo-bf16-batches")
     enc = stages.get("encoder", {}).get("result")
     if enc:
         lines += ["", f"## encoder (large-v3 bf16, batch {enc['batch']})"]

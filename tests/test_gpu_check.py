@@ -173,3 +173,28 @@ def test_a_stage_killed_at_its_limit_keeps_its_partial_result(tmp_path):
     assert skipped and int(skipped[1]) < 60, summary
     assert "; dtype (skipped: " in summary
     assert "- turbo bf16 compiled RTFx >= 3000: not measured" in summary
+
+
+def test_the_summary_reports_steps_saved_by_refills(gpu_check, tmp_path, monkeypatch):
+    """Continuous batching on the device: the refilled compiled bench stage against the
+    same configuration stepped in batches (bench-turbo-bf16-batches), steps and tokens."""
+    monkeypatch.setenv("GPU_CHECK_WORK", str(tmp_path))
+    assert gpu_check.BENCH["bench-turbo-bf16-batches"].refill is False
+    assert gpu_check.BENCH["bench-turbo-bf16-compiled"].refill is None  # the default: on
+    engine = {"steps": 300.0, "row_steps": 4200.0, "refills": 16.0}
+    stages = {
+        "bench-turbo-bf16-compiled": {"result": {"engine": engine}},
+        "bench-turbo-bf16-batches": {"result": {"engine": {**engine, "steps": 448.0}}},
+    }
+    gpu_check.write_json(tmp_path / "bench-turbo-bf16-compiled.tokens.json", [[1, 2], [3]])
+    gpu_check.write_json(tmp_path / "bench-turbo-bf16-batches.tokens.json", [[1, 2], [3]])
+    lines = gpu_check.refill_lines(stages, "turbo-bf16-compiled", "turbo-bf16-batches")
+    assert lines[0] == (
+        "- refilled / batches (turbo bf16 compiled): steps 300 vs 448, row-steps 4200 vs "
+        "4200, rows refilled 16"
+    )
+    assert "2/2 windows identical" in lines[1]
+    del stages["bench-turbo-bf16-batches"]
+    assert gpu_check.refill_lines(stages, "turbo-bf16-compiled", "turbo-bf16-batches")[0].endswith(
+        "not measured"
+    )
