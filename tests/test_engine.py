@@ -329,3 +329,32 @@ def test_rows_wait_for_a_row_that_runs_to_max_new_tokens(random_dirs, monkeypatc
     decoded = Engine(ours, options).run(rows, slots=1).rows
     assert [len(r.tokens) for r in decoded] == [20, 20, 20]
     assert all(r.hit_max_tokens and not r.looped for r in decoded)
+
+
+@pytest.mark.slow
+def test_a_refilled_run_passes_every_row_to_the_language_picker():
+    """base (multilingual), five windows of English and German, 2 rows at a time: the
+    language pass covers the rows that wait too (over caches of their own), so the picker
+    sees every row's probabilities in the caller's order, as one batch of all five gives,
+    and the rows decode in the languages it picked."""
+    loaded = load_model(str(real_model("base")), F32)
+    jfk = load_audio(shared_clip("jfk.flac"))
+    multi = load_audio(shared_clip("multilingual.mp3"))  # English, then German
+    windows = [jfk, multi[: 28 * 16000], multi[30 * 16000 : 58 * 16000], jfk[:80000], jfk]
+    rows = [WindowInput(w, seed=k) for k, w in enumerate(windows)]
+    seen = {}
+
+    def picker(name):
+        def pick(codes, probs):
+            seen[name] = probs.copy()
+            return [codes[int(p.argmax())] for p in probs]
+
+        return pick
+
+    whole = Engine(loaded, DecodeOptions()).run(rows, picker("whole"))
+    refilled = Engine(loaded, DecodeOptions()).run(rows, picker("refilled"), slots=2)
+    assert seen["refilled"].shape == seen["whole"].shape == (5, len(loaded.tokenizer.language_ids))
+    np.testing.assert_allclose(seen["refilled"], seen["whole"], atol=1e-5)
+    assert [r.language for r in refilled.rows] == [r.language for r in whole.rows]
+    assert [r.language for r in whole.rows] == ["en", "en", "de", "en", "en"]
+    assert [r.tokens for r in refilled.rows] == [r.tokens for r in whole.rows]
