@@ -182,6 +182,21 @@ def test_batch_of_one_and_of_sixteen_give_the_same_word_times(
 
 
 @pytest.mark.slow
+def test_refilled_rows_get_the_same_words_as_batches(tiny_en, transcriber, long_input):
+    """One row at a time, refilled as each finishes: the alignment pass runs over the
+    run's rows in the order they entered (their cross K/V projected again, the decode's
+    were overwritten), and every word comes out as with batches of one."""
+    runs = {}
+    for refill in (False, True):
+        t = transcriber(tiny_en, word_timestamps=True, batch_size=1, refill=refill)
+        runs[refill] = t.transcribe(long_input)
+        assert (t.engine.counters.refills > 0) == refill
+    batches, refilled = ([(w.word, w.start, w.end) for w in all_words(runs[r])] for r in (0, 1))
+    assert len(batches) > 100
+    assert refilled == batches
+
+
+@pytest.mark.slow
 def test_bf16_word_times_are_within_40_ms_of_f32(transcriber, long_input, long_f32):
     bf16 = load_model(str(real_model("tiny.en")), resolve_policy("bf16", "cpu"))
     ours = transcriber(bf16, word_timestamps=True).transcribe(long_input)

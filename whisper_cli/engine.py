@@ -87,11 +87,14 @@ class Decoded:
     cross: list[KV] | None
     run: int  # which of its engine's runs made it
     width: int  # the rows decoded at once (the alignment pass takes as many)
+    # Row r's encoder output is features[at[r]] (a refilled run keeps the order in which
+    # its rows entered the batch); None: features[r].
+    at: tuple[int, ...] | None = None
 
     def kept(self, row: int) -> torch.Tensor:
         """(S, C) a row's encoder output, for a later attempt (a copy, not a view that
         would hold the whole batch)."""
-        return self.features[row].clone()
+        return self.features[row if self.at is None else self.at[row]].clone()
 
 
 @dataclass
@@ -255,13 +258,13 @@ class Engine:
             None,
             width,
         )
-        at = torch.tensor(inverse, device=decoded.features.device)
         return Decoded(
             [decoded.rows[j] for j in inverse],
-            decoded.features.index_select(0, at),
+            decoded.features,
             None,  # rows were refilled (see _run)
             decoded.run,
             decoded.width,
+            tuple(inverse),
         )
 
     def _run(
@@ -318,14 +321,22 @@ class Engine:
         if decoded.run != self._runs:
             raise ValueError("a batch is aligned before the engine's next run")
         started = self._start()
-        width = decoded.width
         if decoded.cross is not None:
             words = self.aligner.align(decoded.features, texts, decoded.cross)
         else:
-            words = []
-            for at in range(0, len(decoded.features), width):
-                chunk = decoded.features[at : at + width]
-                words += self.aligner.align(chunk, texts[at : at + len(chunk)])
+            # The features' rows hold the caller's rows `order` (see Decoded.at).
+            n = len(decoded.features)
+            order = list(range(n))
+            if decoded.at is not None:
+                for r, j in enumerate(decoded.at):
+                    order[j] = r
+            found: dict[int, WindowWords] = {}
+            for at in range(0, n, decoded.width):
+                rows = [r for r in order[at : at + decoded.width] if r < len(texts)]
+                chunk = decoded.features[at : at + decoded.width]
+                words = self.aligner.align(chunk, [texts[r] for r in rows])
+                found.update(zip(rows, words, strict=True))
+            words = [found[r] for r in range(len(texts))]
         self.counters.align_s += self._stop(started)
         self.counters.aligns += 1
         return words
