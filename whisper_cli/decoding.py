@@ -351,7 +351,10 @@ def stop_loops(state: DecodeState, policy: Policy, timestamp_begin: int) -> None
     device = seq.device
     periods = torch.arange(1, policy.max_loop_period + 1, device=device)  # (P,)
     spans = periods.mul(3).clamp(min=policy.min_loop_span)  # (P,)
-    offsets = torch.arange(int(spans.max()), device=device)  # (S,)
+    # The longest span, from the policy on the host (reading spans.max() would wait for
+    # the device inside the decode loop).
+    longest = max(policy.min_loop_span, 3 * policy.max_loop_period)
+    offsets = torch.arange(longest, device=device)  # (S,)
     n = state.index[:, None, None]  # (B, 1, 1)
     # Each period's last `span` tokens of the row, and those one period before.  (B, P, S)
     at = (n - spans[:, None] + offsets).clamp(min=0, max=seq.shape[1] - 1)
