@@ -537,12 +537,15 @@ def test_sigint_mid_run_then_skip_existing_finishes(tmp_path: Path) -> None:
         assert words((out / f"jfk{i}.txt").read_text()) == JFK_WORDS
 
 
-@pytest.mark.parametrize("batch_size", [1, 2])
-def test_each_input_is_handed_over_as_soon_as_it_is_decoded(monkeypatch, tiny_en, batch_size):
-    """Outputs appear input by input (what makes Ctrl-C lose only unfinished work)."""
+@pytest.mark.parametrize(("batch_size", "refill"), [(1, False), (2, False), (1, True)])
+def test_each_input_is_handed_over_as_soon_as_it_is_decoded(
+    monkeypatch, tiny_en, batch_size, refill
+):
+    """Outputs appear input by input (what makes Ctrl-C lose only unfinished work): as
+    each batch ends, or with refills as each run (RUN_BATCHES batches' windows) ends."""
     from whisper_cli.pipeline import TranscribeOptions, Transcriber
 
-    t = Transcriber(tiny_en, TranscribeOptions(batch_size=batch_size))
+    t = Transcriber(tiny_en, TranscribeOptions(batch_size=batch_size, refill=refill))
     events: list[str] = []
     real = t.engine.run
 
@@ -554,10 +557,11 @@ def test_each_input_is_handed_over_as_soon_as_it_is_decoded(monkeypatch, tiny_en
     clip = str(shared_clip("stereo_diarization.wav"))
     t.run([clip] * 3, lambda r: events.append("result"), pytest.fail)
     expected = {
-        1: ["decode 1", "result"] * 3,
-        2: ["decode 2", "result", "result", "decode 1", "result"],
+        (1, False): ["decode 1", "result"] * 3,
+        (2, False): ["decode 2", "result", "result", "decode 1", "result"],
+        (1, True): ["decode 3", "result", "result", "result"],  # one run, one row at a time
     }
-    assert events == expected[batch_size]
+    assert events == expected[batch_size, refill]
 
 
 SIGINT_AT = {
@@ -621,8 +625,10 @@ def test_sigint_during_load_or_decode_exits_130(tmp_path: Path, when: str) -> No
     assert not out.exists() or os.listdir(out) == []
 
 
-def test_out_of_memory_retries_with_a_smaller_batch(tiny_en, monkeypatch):
-    """A batch that runs out of (GPU) memory is decoded again in halves, with a warning."""
+@pytest.mark.parametrize("refill", [False, True])
+def test_out_of_memory_retries_with_a_smaller_batch(tiny_en, monkeypatch, refill):
+    """A batch that runs out of (GPU) memory is decoded again in halves, with a warning;
+    with refills, the rows decoded at once are halved (the run's windows with them)."""
     import torch
 
     from whisper_cli.pipeline import TranscribeOptions, Transcriber
@@ -632,13 +638,14 @@ def test_out_of_memory_retries_with_a_smaller_batch(tiny_en, monkeypatch):
     Transcriber(tiny_en, TranscribeOptions(batch_size=4)).run(
         paths, lambda t: expected.setdefault(t.path, t.text), pytest.fail
     )
-    transcriber = Transcriber(tiny_en, TranscribeOptions(batch_size=4))
+    transcriber = Transcriber(tiny_en, TranscribeOptions(batch_size=4, refill=refill))
     real_run = transcriber.engine.run
     sizes = []
 
     def run(rows, *args, **kwargs):
-        sizes.append(len(rows))
-        if len(rows) > 1:
+        width = min(len(rows), kwargs.get("slots") or len(rows))  # rows decoded at once
+        sizes.append(width)
+        if width > 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_run(rows, *args, **kwargs)
 
@@ -649,4 +656,5 @@ def test_out_of_memory_retries_with_a_smaller_batch(tiny_en, monkeypatch):
     ):
         transcriber.run(paths, lambda t: got.setdefault(t.path, t.text), pytest.fail)
     assert got == expected
-    assert sizes[:3] == [4, 2, 1] and set(sizes[3:]) == {1}
+    # Refilled, the one run at one row takes all four windows; else a batch of one each.
+    assert sizes[:3] == [4, 2, 1] and set(sizes[3:]) == (set() if refill else {1})
