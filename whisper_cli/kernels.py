@@ -528,7 +528,10 @@ def attention(
         return _sdpa(q, k, v, mask, causal)
     b, h, t, d = q.shape
     kind = "causal" if causal else "none" if mask is None else "mask"
-    choice = plan.choice("attention", q.dtype, b, h, t, k.shape[-2], d, kind)
+    # Keys stored by column (model.cross_keys_transposed) are a class of their own: which
+    # implementation reads them fastest depends on it.
+    keys = "transposed" if k.stride(-2) == 1 and k.stride(-1) != 1 else "rows"
+    choice = plan.choice("attention", q.dtype, b, h, t, k.shape[-2], d, kind, keys)
     return ATTENTION[choice](q, k, v, mask, causal)
 
 
@@ -652,11 +655,16 @@ def _attention_timing(shape: tuple[int, ...]) -> tuple[int, int, int, int, int]:
     return max(1, min(b, TIMING_ELEMENTS // (h * s * max(d, t)))), h, t, s, d
 
 
-def _attention_shape(dtype: torch.dtype, b, h, t, s, d, kind: str) -> ShapeClass:
+def _attention_shape(
+    dtype: torch.dtype, b, h, t, s, d, kind: str, keys: str = "rows"
+) -> ShapeClass:
+    """keys: "rows" ((B, H, S, D) storage) or "transposed" ((B, H, D, S), seen as rows)."""
     cls = attention_class(t)
     shape = (_pow2(b), h, _bucket(t), _bucket(s), d)
     name = "attention/{}/{}/B{}xH{}xT{}xS{}xD{}/{}".format(dtype_name(dtype), cls, *shape, kind)
-    return ShapeClass(name, attention_candidates(cls), (*_attention_timing(shape), kind))
+    if keys != "rows":
+        name += "/keys-" + keys
+    return ShapeClass(name, attention_candidates(cls), (*_attention_timing(shape), kind, keys))
 
 
 def _logits_shape(dtype: torch.dtype, m: int, v: int, c: int) -> ShapeClass:
@@ -700,7 +708,7 @@ OPS: dict[str, _Op] = {
     "attention": _Op(
         _attention_shape,
         lambda cls, dtype, weight, device: _attention_runs(
-            cls.candidates, cls.timing[:5], dtype, device, cls.timing[5]
+            cls.candidates, cls.timing[:5], dtype, device, *cls.timing[5:]
         ),
     ),
     "logits": _Op(
@@ -995,14 +1003,20 @@ def _warm_allocator() -> None:
     torch.empty(30 << 18).fill_(0)  # 30 MiB, touched, freed
 
 
-def _attention_runs(cands, shape, dtype: torch.dtype, device, kind: str) -> Runs:
-    """Calls of each candidate on random tensors of `shape` (see _attention_timing)."""
+def _attention_runs(
+    cands, shape, dtype: torch.dtype, device, kind: str, keys: str = "rows"
+) -> Runs:
+    """Calls of each candidate on random tensors of `shape` (see _attention_timing), the
+    keys laid out as `keys` says (see _attention_shape)."""
     b, h, t, s, d = shape
     # A generator of its own: timing never moves the global random state.
     g = torch.Generator(device=device).manual_seed(0)
     opts = {"dtype": dtype, "device": device, "generator": g}
     q = torch.randn(b, t, h, d, **opts).transpose(1, 2)  # as split heads: (B, H, T, D) view
-    k, v = torch.randn(b, h, s, d, **opts), torch.randn(b, h, s, d, **opts)  # as the caches
+    # As the caches: keys by rows or (B, H, D, S) seen as rows, values by rows.
+    transposed = keys == "transposed"
+    k = torch.randn(b, h, d, s, **opts).mT if transposed else torch.randn(b, h, s, d, **opts)
+    v = torch.randn(b, h, s, d, **opts)
     mask = torch.ones(t, s, dtype=torch.bool, device=device) if kind == "mask" else None
     causal = kind == "causal"
     return {n: (lambda f=ATTENTION[n]: f(q, k, v, mask, causal)) for n in cands}

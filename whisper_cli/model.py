@@ -23,6 +23,26 @@ from whisper_cli.config import ModelConfig
 KV = tuple[torch.Tensor, torch.Tensor]  # keys and values, (B, H, S, D) each
 
 
+def cross_keys_transposed(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the cross-attention keys are stored (B, H, D, S) and seen as (B, H, S, D)
+    (a view: every reader takes them as any strided tensor).
+
+    A decode step reads every row's cross keys once, so it costs about their bytes over
+    the memory's bandwidth. On CPU in float32, q k^T over keys stored by column is a GEMV
+    that streams them at that rate; over (S, D) rows SDPA and a GEMM both take 1.2-1.4x
+    as long (tiny.en, 16 rows, 4 layers: 14.8 against 17.5-21 ms, Intel Xeon with AMX,
+    kernels.attention's timing chooses among them for each layout). In f16/bf16 the CPU's
+    SDPA over rows is fastest by far (10.7 against 33 ms or more), and CUDA's fused
+    kernels want rows.
+    """
+    return device.type == "cpu" and dtype == torch.float32
+
+
+def _rows_of(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t's rows `rows` (dim 0), in t's own memory layout (transposed cross keys stay so)."""
+    return torch.index_select(t, 0, rows, out=torch.empty_like(t[: rows.shape[0]]))
+
+
 class KVCache:
     """Keys and values of one attention layer, (B, H, L, D) each, written in place.
 
@@ -45,13 +65,14 @@ class KVCache:
         self.v.scatter_(2, at, v)
 
     def select(self, rows: torch.Tensor) -> KVCache:
-        return KVCache(self.k.index_select(0, rows), self.v.index_select(0, rows))
+        return KVCache(_rows_of(self.k, rows), _rows_of(self.v, rows))
 
 
 @dataclass
 class DecodeCaches:
     """The KV caches of one decode: per decoder layer, self-attention (B, H, L, D) and
-    cross-attention (B, H, S, D), in the weights' dtype."""
+    cross-attention (B, H, S, D) (its keys maybe stored transposed, see
+    cross_keys_transposed), in the weights' dtype."""
 
     self_attn: list[KVCache]
     cross: list[KVCache]
@@ -211,11 +232,14 @@ class Attention(nn.Module):
     def cross_kv(self, audio: torch.Tensor) -> KV:
         """(B, S, C) encoder output -> its cross-attention K and V, (B, H, S, D) each.
 
-        Made contiguous once per batch: every step reads them whole, and CPU attention
-        over the strided view of (B, S, C) (one head's rows C values apart) is slower.
+        Laid out once per batch (every step reads them whole, and CPU attention over the
+        strided view of (B, S, C), one head's rows C values apart, is slower): V by rows,
+        K by rows or by columns as cross_keys_transposed says.
         """
-        k, v = (self.split_heads(p(audio)).contiguous() for p in (self.k_proj, self.v_proj))
-        return k, v
+        k, v = (self.split_heads(p(audio)) for p in (self.k_proj, self.v_proj))
+        if cross_keys_transposed(k.dtype, k.device):
+            return k.mT.contiguous().mT, v.contiguous()
+        return k.contiguous(), v.contiguous()
 
 
 class EncoderLayer(nn.Module):
@@ -427,6 +451,7 @@ class Whisper(nn.Module):
         texts = _class_ends(reach.text)
         whole = [t for t in texts if t > 1] if reach.aligned_rows else []
         h, d = dec.heads, cfg.d_model // dec.heads
+        keys = "transposed" if cross_keys_transposed(self.dtype, self.device) else "rows"
         for b in _class_ends(reach.batch):
             h_enc = cfg.encoder_attention_heads
             d_enc = cfg.d_model // h_enc
@@ -442,7 +467,7 @@ class Whisper(nn.Module):
             for t in [1, *prompts, *whole]:
                 if t > 1:
                     yield kernels.KernelCall("attention", (b, h, t, t, d, "causal"))
-                yield kernels.KernelCall("attention", (b, h, t, frames, d, "none"))
+                yield kernels.KernelCall("attention", (b, h, t, frames, d, "none", keys))
             if dec.proj_out is None:  # the tied projection: a step's rows, a prompt's
                 yield from _logits_calls(dec, [b, *(b * t for t in prompts)])
         if dec.proj_out is None and reach.aligned_rows:
