@@ -73,8 +73,9 @@ class SkipLimits:
 class Rules:
     """What the rules of one run need, as device tensors made once."""
 
-    suppress: torch.Tensor  # (V,) bool: never sampled
-    begin_suppress: torch.Tensor  # (V,) bool: not sampled as the first token
+    # (2, V) bool: row 0 the tokens never sampled, row 1 those not sampled as a row's
+    # first token; a step gathers each row's (a copy of rows, cheaper than a select).
+    suppress: torch.Tensor
     ts_index: torch.Tensor  # (n_ts,) 0 .. n_ts - 1
     eot: int
     timestamp_begin: int
@@ -112,8 +113,7 @@ class Rules:
             last_initial = ts_begin + gen.max_initial_timestamp_index
             begin_suppress |= (vocab < ts_begin) | (vocab > last_initial)
         return cls(
-            suppress=suppress,
-            begin_suppress=begin_suppress,
+            suppress=torch.stack([suppress, begin_suppress]),
             ts_index=torch.arange(loaded.config.vocab_size - ts_begin, device=device),
             eot=special.eot,
             timestamp_begin=ts_begin,
@@ -142,8 +142,8 @@ def apply_rules(
     speech than rules.skip allows. text_run (B,) int64: text tokens since the row's
     latest timestamp (needed with speech_before).
     """
-    first = (index == 0)[:, None]
-    logits = logits.masked_fill(torch.where(first, rules.begin_suppress, rules.suppress), NEG_INF)
+    # One pass that makes this function's own tensor (masked_fill would copy, then fill).
+    logits = torch.where(rules.suppress[(index == 0).long()], NEG_INF, logits)
     if not rules.timestamps:
         return logits
     # `logits` is this function's own tensor now: the rules fill slices of it in place
