@@ -104,10 +104,40 @@ def test_blocked_tiles_batch_rows_at_decode(dtype, monkeypatch):
     check_attention(*qkv(b, h, 1, s, d, dtype), mask=mask, impls=["blocked"])
 
 
+@pytest.mark.parametrize("keys", ["rows", "transposed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_real_size_decode_cross_attention(dtype):
-    """tiny's decode cross-attention as it runs: B 16, H 6, one query, 1500 keys, D 64."""
-    check_attention(*qkv(16, 6, 1, 1500, 64, dtype), impls=kernels.attention_candidates("decode"))
+def test_real_size_decode_cross_attention(dtype, keys):
+    """tiny's decode cross-attention as it runs: B 16, H 6, one query, 1500 keys, D 64;
+    the keys stored by rows or by columns (model.cross_keys_transposed)."""
+    q, k, v = qkv(16, 6, 1, 1500, 64, dtype)
+    if keys == "transposed":
+        k = k.mT.contiguous().mT
+        assert k.stride(-2) == 1
+    check_attention(q, k, v, impls=kernels.attention_candidates("decode"))
+
+
+def test_transposed_keys_are_a_class_of_their_own(monkeypatch):
+    """The same call on keys stored by column is timed and chosen apart, on keys laid out
+    so; the class of keys by rows keeps its name (and its cached choice)."""
+    rows = kernels.OPS["attention"].shape_class(torch.float32, 16, 6, 1, 1500, 64, "none")
+    cols = kernels.OPS["attention"].shape_class(
+        torch.float32, 16, 6, 1, 1500, 64, "none", "transposed"
+    )
+    assert rows.name == "attention/f32/decode/B16xH6xT1xS1536xD64/none"
+    assert cols.name == rows.name + "/keys-transposed"
+    seen = []
+    for name in cols.candidates:
+        real = kernels.ATTENTION[name]
+
+        def record(q, k, *rest, f=real):
+            seen.append(k.stride(-2))
+            return f(q, k, *rest)
+
+        monkeypatch.setitem(kernels.ATTENTION, name, record)
+    runs = kernels.OPS["attention"].runs(cols, torch.float32, None, torch.device("cpu"))
+    for run in runs.values():
+        run()
+    assert seen == [1] * len(cols.candidates)  # each timed on keys stored by column
 
 
 @pytest.mark.parametrize(
@@ -641,6 +671,39 @@ def test_a_model_built_with_a_plan_runs_its_choices(random_dir, monkeypatch):
         monkeypatch.setitem(table, reference, no_timing)  # the reference must not run
     run_forward(loaded)
     assert len(ran) == 4
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_cross_keys_stored_by_column_on_cpu_in_f32_only(random_dir, dtype):
+    """f32 on CPU: every layer's cross keys are (B, H, D, S) storage seen as (B, H, S, D);
+    row drops keep that layout; the step's logits are those of keys by rows. bf16: rows
+    (its SDPA over rows is fastest)."""
+    from whisper_cli.dtypes import resolve_policy
+    from whisper_cli.loading import load_model
+    from whisper_cli.model import DecodeCaches, KVCache, cross_keys_transposed
+
+    loaded = load_model(str(random_dir), resolve_policy(dtype, "cpu"))
+    model = loaded.model
+    transposed = dtype == "f32"
+    assert cross_keys_transposed(model.dtype, model.device) is transposed
+    with torch.inference_mode():
+        audio = model.encoder(torch.randn(3, loaded.config.num_mel_bins, 3000).to(model.dtype))
+        caches = model.decoder.new_caches(audio, 16)
+        kept = caches.select(torch.tensor([2, 0]))
+        for cache, part in zip(caches.cross, kept.cross, strict=True):
+            for k in (cache.k, part.k):
+                assert (k.stride(-2) == 1) is transposed and k.shape[-2] == 1500
+            assert torch.equal(part.k, cache.k[[2, 0]]) and torch.equal(part.v, cache.v[[2, 0]])
+        tokens = torch.full((3, 1), loaded.tokenizer.special.sot)
+
+        def step(caches):
+            return model.decoder(tokens, torch.tensor([0]), caches, Extent(1))
+
+        by_rows = DecodeCaches(
+            [KVCache(c.k.clone(), c.v.clone()) for c in caches.self_attn],
+            [KVCache(c.k.contiguous(), c.v) for c in caches.cross],
+        )
+        torch.testing.assert_close(step(caches), step(by_rows), rtol=1e-5, atol=1e-5)
 
 
 def test_forward_times_reads_and_writes_nothing(random_dir, tmp_path, monkeypatch):
