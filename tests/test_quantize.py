@@ -215,9 +215,9 @@ def test_each_int8_layer_holds_the_forms_its_plan_chose_and_a_forward_makes_none
     ran = []
 
     def recording(name, kernel):
-        def run(x, weight, scale, bias, prepared=None):
+        def run(x, weight, scale, bias, prepared=None, out=None):
             ran.append((name, prepared))
-            return kernel(x, weight, scale, bias, prepared)
+            return kernel(x, weight, scale, bias, prepared, out)
 
         return run
 

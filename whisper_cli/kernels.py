@@ -367,16 +367,22 @@ def logits_candidates(dtype: torch.dtype) -> tuple[str, ...]:
 # (dtypes.int8_weight), bias (N,) in the run dtype or None -> (..., N) in x's dtype.
 # `prepared`: the implementation's own form of the weight (int8_form), made by the caller
 # once: each layer holds the forms its plan chose (quantize.prepare_forms, at load), and a
-# timing makes its own, so that the run keeps none it did not choose.
+# timing makes its own, so that the run keeps none it did not choose. `out`: (M, N) in x's
+# dtype to write the result into (a tile of a larger call's output, see int8_linear), or
+# None for a new tensor.
 
 
-def _int8_dequant(x, weight, scale, bias, prepared=None):  # no form: `prepared` unused
+def _into(result: Tensor, out: Tensor | None) -> Tensor:
+    return result if out is None else out.copy_(result.view(out.shape))
+
+
+def _int8_dequant(x, weight, scale, bias, prepared=None, out=None):  # `prepared` unused
     """The reference, weight-only: W = weight * scale in float32 (exact: an int8 times a
     bfloat16 value), x W^T + b in float32 and the result rounded once to x's dtype. The
     float32 W lives for one call; the activations are not quantized."""
     w = weight.float() * scale[:, None]
     b = None if bias is None else bias.float()
-    return F.linear(x.float(), w, b).to(x.dtype)
+    return _into(F.linear(x.float(), w, b).to(x.dtype), out)
 
 
 def _fbgemm_prepare(weight: Tensor, scale: Tensor):
@@ -405,10 +411,17 @@ def _unit_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return (rows / amax).contiguous(), amax
 
 
-def _rescale(out: Tensor, amax: Tensor, bias: Tensor | None, x: Tensor, n: int) -> Tensor:
-    """The rows' maxima multiplied back and the bias added, in float32, rounded once."""
-    out = out.mul_(amax) if bias is None else torch.addcmul(bias.float(), out, amax)
-    return out.view(*x.shape[:-1], n).to(x.dtype)
+def _rescale(
+    acc: Tensor, amax: Tensor, bias: Tensor | None, x: Tensor, n: int, out: Tensor | None
+) -> Tensor:
+    """The rows' maxima multiplied back and the bias added, in float32, rounded once (into
+    `out` where given: a tile's result written where it goes, not copied there)."""
+    if out is not None:  # computed in float32, rounded to out's dtype as it is written
+        if bias is None:
+            return torch.mul(acc, amax, out=out)
+        return torch.addcmul(bias.float(), acc, amax, out=out)
+    acc = acc.mul_(amax) if bias is None else torch.addcmul(bias.float(), acc, amax)
+    return acc.view(*x.shape[:-1], n).to(x.dtype)
 
 
 # The activations' quantization of unit rows (_unit_rows), fixed: x = (q - zero) * scale, q
@@ -419,16 +432,16 @@ _X_SCALE = 1 / 63
 _X_ZERO = 64
 
 
-def _int8_fbgemm(x, weight, scale, bias, prepared):
+def _int8_fbgemm(x, weight, scale, bias, prepared, out=None):
     """fbgemm's int8 linear with activations quantized per row (_unit_rows) on the fixed
     grid (_X_SCALE, _X_ZERO), an int8 GEMM accumulating in int32 and the weight's scales
     applied in float32. (Its dynamic variant takes the grid from the call's min and max:
     a row's result would depend on the other rows.)"""
     rows, amax = _unit_rows(x)
-    out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+    acc = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
         rows, _X_SCALE, _X_ZERO, prepared
     )
-    return _rescale(out, amax, bias, x, weight.shape[0])
+    return _rescale(acc, amax, bias, x, weight.shape[0], out)
 
 
 def _onednn_prepare(weight: Tensor, scale: Tensor):
@@ -437,31 +450,31 @@ def _onednn_prepare(weight: Tensor, scale: Tensor):
     return torch.ops.onednn.qlinear_prepack(weight, None), scale.float(), zeros
 
 
-def _int8_onednn(x, weight, scale, bias, prepared):
+def _int8_onednn(x, weight, scale, bias, prepared, out=None):
     """oneDNN's int8 linear (the kernel inductor and torchao call on x86) with activations
     quantized per row (_unit_rows) on the fixed grid (_X_SCALE, _X_ZERO), an int8 GEMM,
     the weight's scales applied by oneDNN in float32."""
     packed, w_scale, w_zero = prepared
     rows, amax = _unit_rows(x)
     q = rows.mul_(1 / _X_SCALE).round_().add_(_X_ZERO).to(torch.uint8)
-    out = torch.ops.onednn.qlinear_pointwise(
+    acc = torch.ops.onednn.qlinear_pointwise(
         q, _X_SCALE, _X_ZERO, packed, w_scale, w_zero,
         None, 1.0, 0, torch.float32, "none", [], "",
     )  # fmt: skip
-    return _rescale(out, amax, bias, x, weight.shape[0])
+    return _rescale(acc, amax, bias, x, weight.shape[0], out)
 
 
-def _int8_weight_only(x, weight, scale, bias, prepared):
+def _int8_weight_only(x, weight, scale, bias, prepared, out=None):
     """torch's weight-only int8 GEMM (`_weight_int8pack_mm`) over bfloat16 rows: the int8
     values and scales (bfloat16 values, see dtypes.int8_weight) taken as they are, float32
     accumulation, the product rounded to bfloat16, the bias added in float32 and the result
     rounded to x's dtype. An f32 run's rows and products are rounded to bfloat16 inside:
     8 bits of mantissa per element, finer than any int8 quantization of a row."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-    out = torch._weight_int8pack_mm(rows, weight, prepared).float()
+    acc = torch._weight_int8pack_mm(rows, weight, prepared).float()
     if bias is not None:
-        out += bias.float()
-    return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+        acc += bias.float()
+    return _into(acc.view(*x.shape[:-1], weight.shape[0]).to(x.dtype), out)
 
 
 INT8_LINEAR: dict[str, Callable] = {
@@ -566,9 +579,9 @@ def int8_linear(
     layer's, see quantize.prepare_forms); a form they lack (a class outside the plan in a
     forced mode) is made for this call only.
 
-    A call of more than INT8_TILE_ROWS rows (the encoder's) runs in equal tiles of rows
-    into one output in x's dtype: each kernel's float32 and uint8 temporaries are a
-    tile's, not the call's. Each kernel computes a row on its own (a grid per row, see
+    A call of more than INT8_TILE_ROWS rows (the encoder's) runs in equal tiles of rows,
+    each written in place into one output in x's dtype: each kernel's float32 and uint8
+    temporaries are a tile's, not the call's. Each kernel computes a row on its own (a grid per row, see
     _X_SCALE), and the BLAS behind the reference computes a tile's rows as it does the
     whole call's (test_kernels checks both): the result is the untiled call's."""
     if torch.compiler.is_compiling():
@@ -588,7 +601,7 @@ def int8_linear(
     tiles = -(-m // INT8_TILE_ROWS)
     for i in range(tiles):  # sizes differ by one at most
         start, end = m * i // tiles, m * (i + 1) // tiles
-        flat[start:end] = run(rows[start:end], weight, scale, bias, form)
+        run(rows[start:end], weight, scale, bias, form, flat[start:end])
     return out
 
 
