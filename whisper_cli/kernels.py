@@ -581,9 +581,10 @@ def int8_linear(
 
     A call of more than INT8_TILE_ROWS rows (the encoder's) runs in equal tiles of rows,
     each written in place into one output in x's dtype: each kernel's float32 and uint8
-    temporaries are a tile's, not the call's. Each kernel computes a row on its own (a grid per row, see
-    _X_SCALE), and the BLAS behind the reference computes a tile's rows as it does the
-    whole call's (test_kernels checks both): the result is the untiled call's."""
+    temporaries are a tile's, not the call's. Each kernel computes a row on its own (a
+    grid per row, see _X_SCALE), and the BLAS behind the reference computes a tile's rows
+    as it does the whole call's (test_kernels checks both): the result is the untiled
+    call's."""
     if torch.compiler.is_compiling():
         return _int8_dequant(x, weight, scale, bias)
     n, k = weight.shape
