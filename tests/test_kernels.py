@@ -896,6 +896,43 @@ def test_int8_linear_runs_many_rows_in_tiles_of_the_timed_class(dtype, monkeypat
                 assert tiles == {shape_class(dtype, m, 80, 96).name}, (name, seen)
 
 
+def test_int8_layers_of_one_shape_hold_one_packed_form(tmp_path):
+    """Classes of one weight shape share the packed form its largest class chose: a smaller
+    class that timed the other packed form fastest takes the fastest of the rest; a shape
+    of its own keeps its choice; the cache keeps every timed choice."""
+    cands = kernels.int8_candidates(torch.float32)
+    if not {"fbgemm", "onednn"} <= set(cands):
+        pytest.skip("needs both packed int8 kernels")
+    prefix = f"{kernels._machine()}|threads={torch.get_num_threads()}|"
+    timed = {  # class -> ms of dequant, fbgemm, onednn, weight-only
+        "M512xN80xK96": (9.0, 5.0, 2.0, 8.0),
+        "M1xN80xK96": (1.0, 0.3, 0.5, 0.6),
+        "M2xN80xK96": (1.0, 0.3, 0.9, 0.4),
+        "M16xN80xK96": (1.0, 0.9, 0.8, 0.2),
+        "M1xN48xK96": (1.0, 0.3, 0.5, 0.6),
+    }
+    data = {}
+    for name, times in timed.items():
+        ms = dict(zip(("dequant", "fbgemm", "onednn", "weight-only"), times, strict=True))
+        ms = {n: ms[n] for n in cands}
+        data[f"{prefix}int8-linear/f32/{name}"] = {"choice": min(ms, key=ms.get), "ms": ms}
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps({"version": kernels.CACHE_VERSION, "entries": data}))
+    calls = [call("int8-linear", m, n, 96) for m, n in ((512, 80), (1, 80), (2, 80), (16, 80))]
+    plan = plan_of([*calls, call("int8-linear", 1, 48, 96)], torch.float32, path=path)
+    chosen = {name.split("/")[-1]: choice for name, choice in plan.choices.items()}
+    assert chosen == {
+        "M512xN80xK96": "onednn",
+        "M1xN80xK96": "onednn",  # fbgemm's form is not made for one row class
+        "M2xN80xK96": "weight-only",
+        "M16xN80xK96": "weight-only",
+        "M1xN48xK96": "fbgemm",
+    }
+    assert {name.split("/")[-1]: e["choice"] for name, e in entries(path).items()} == {
+        name: min(e["ms"], key=e["ms"].get) for name, e in zip(timed, data.values(), strict=True)
+    }
+
+
 def test_int8_choices_are_timed_and_saved_and_the_reference_runs_while_compiling(
     tmp_path, monkeypatch
 ):

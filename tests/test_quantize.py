@@ -178,11 +178,12 @@ def test_the_flag_reaches_the_policy(monkeypatch):
 def test_each_int8_layer_holds_the_forms_its_plan_chose_and_a_forward_makes_none(
     kernels_mode, tmp_path, monkeypatch
 ):
-    """Through load_model: a kernel cache that names fbgemm for calls of up to 4 rows, oneDNN
-    for the encoder's class (512 rows and more) and the dequantizing reference (no form) in
-    between; every layer holds the forms of exactly the choices for the rows it is called
-    with (the encoder's layers oneDNN's, the decoder's both), and a forward pass hands the
-    kernels those, making none."""
+    """Through load_model: a kernel cache that names the weight-only kernel for calls of up
+    to 4 rows, oneDNN for the encoder's class (512 rows and more) and the dequantizing
+    reference (no form) in between; every layer holds the forms of exactly the choices for
+    the rows it is called with (the encoder's layers oneDNN's, the decoder's both), and a
+    forward pass hands the kernels those, making none. (A second packed form, fbgemm's,
+    is never made beside oneDNN's: test_kernels.)"""
     from whisper_cli.audio import load_audio
     from whisper_cli.dtypes import encoder_input
     from whisper_cli.features import batch_log_mel
@@ -196,7 +197,7 @@ def test_each_int8_layer_holds_the_forms_its_plan_chose_and_a_forward_makes_none
         patch.setattr(kernels, "time_candidates", lambda runs: {n: (1.0, True) for n in runs})
         int8_model("tiny.en")
     data = json.loads(cache.read_text())
-    rows_of = {"M1x": "fbgemm", "M2x": "fbgemm", "M4x": "fbgemm", "M512x": "onednn"}
+    rows_of = {"M1x": "weight-only", "M2x": "weight-only", "M4x": "weight-only", "M512x": "onednn"}
     for key, entry in data["entries"].items():
         if "|int8-linear/" in key:
             rows = key.split("/")[2].split("N")[0]
@@ -208,7 +209,7 @@ def test_each_int8_layer_holds_the_forms_its_plan_chose_and_a_forward_makes_none
     assert not model.plan.timed  # every choice read from the cache above
     layers = {n: m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
     for name, layer in layers.items():
-        want = {"onednn"} if name.startswith("encoder.") else {"fbgemm", "onednn"}
+        want = {"onednn"} if name.startswith("encoder.") else {"weight-only", "onednn"}
         assert set(layer.forms) == want, name
     held = {id(form) for layer in layers.values() for form in layer.forms.values()}
 
@@ -226,7 +227,7 @@ def test_each_int8_layer_holds_the_forms_its_plan_chose_and_a_forward_makes_none
     made = []
     monkeypatch.setattr(kernels, "int8_form", lambda *args: made.append(args))
     tok = loaded.tokenizer
-    tokens = torch.tensor([tok.prompt(None, "transcribe", False)])  # a few rows: fbgemm
+    tokens = torch.tensor([tok.prompt(None, "transcribe", False)])  # a few rows: weight-only
     t = tokens.shape[1]
     assert t <= 4
     with torch.inference_mode():
@@ -235,5 +236,5 @@ def test_each_int8_layer_holds_the_forms_its_plan_chose_and_a_forward_makes_none
         caches = model.decoder.new_caches(features, t)
         model.decoder(tokens, torch.arange(t), caches, Extent(t))
     assert not made
-    assert {name for name, _ in ran} == {"fbgemm", "onednn"}
+    assert {name for name, _ in ran} == {"weight-only", "onednn"}
     assert all(id(prepared) in held for _, prepared in ran)
