@@ -277,6 +277,46 @@ def test_a_refilled_run_decodes_each_row_as_batches_do():
     assert ran.steps < batch.steps
 
 
+def test_rows_dropped_in_place_decode_as_rows_never_dropped(monkeypatch):
+    """tiny.en on nine real windows at once: the eager batch drops finished rows by moving
+    live ones into their places (no select of the caches), and each row's tokens and
+    log-probs are those of a batch that never drops a row; with an alignment pass to come
+    the kept rows are selected instead, the decode's cross K/V left whole for it."""
+    from whisper_cli.model import DecodeCaches
+
+    loaded = load_model(str(real_model("tiny.en")), F32)
+    jfk = load_audio(shared_clip("jfk.flac"))
+    left = load_audio(shared_clip("stereo_diarization.wav"), "left")
+    long = np.concatenate([left, jfk, left, jfk, left, jfk, left, jfk])
+    windows = [long[i * 240_000 : i * 240_000 + 480_000] for i in range(9)]
+    # Short windows too: rows that end early, so the batch shrinks more than once.
+    windows[1], windows[5] = windows[1][:60_000], windows[5][:100_000]
+    rows = [WindowInput(w, language=None) for w in windows]
+    whole = Engine(loaded, DecodeOptions(), shrink=False).run(rows)
+
+    moved, selected = [], []
+    for name, seen in (("compact", moved), ("select", selected)):
+        real = getattr(DecodeCaches, name)
+        monkeypatch.setattr(
+            DecodeCaches, name, lambda self, *a, f=real, seen=seen: seen.append(a) or f(self, *a)
+        )
+    dropped = Engine(loaded, DecodeOptions()).run(rows)
+    assert len(moved) >= 2 and not selected
+    assert [r.tokens for r in dropped.rows] == [r.tokens for r in whole.rows]
+    for a, b in zip(dropped.rows, whole.rows, strict=True):
+        assert a.avg_logprob == pytest.approx(b.avg_logprob, abs=1e-5)
+
+    moved.clear()
+    aligned = Engine(loaded, DecodeOptions(), words=True).run(rows)
+    assert selected and not moved
+    assert [r.tokens for r in aligned.rows] == [r.tokens for r in whole.rows]
+    # The decode's cross K/V of every row, unmoved: those of the features, row by row.
+    with torch.inference_mode():
+        for layer, (k, v) in zip(loaded.model.decoder.layers, aligned.cross, strict=True):
+            want_k, want_v = layer.encoder_attn.cross_kv(aligned.features)
+            assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
 def test_the_guard_judges_a_refilled_row_at_its_own_token_counts(random_dirs, monkeypatch):
     """A row that loops is cut where it would be alone, whenever it entered the batch:
     the guard judges every row at multiples of loop_check_every of its own tokens."""

@@ -541,13 +541,26 @@ class Engine:
     def _drop_finished(
         self, state: DecodeState, caches: DecodeCaches, run: _Run, final: DecodeState
     ) -> tuple[DecodeState, DecodeCaches]:
-        """The eager batch without its finished rows (their results kept in `final`)."""
-        keep = (~state.finished).nonzero()[:, 0]
+        """The eager batch without its finished rows (their results kept in `final`).
+
+        With no alignment pass to come the caches are this run's alone: the live rows past
+        the new width move into the places of finished rows before it, in place. With one,
+        the kept rows are selected into new caches: the pass reads the decode's cross K/V."""
+        live = ~state.finished
         if state is not final:
             state.store(final, run.slots)
+        if self.aligner is None:
+            n = int(live.sum())
+            holes = (~live[:n]).nonzero()[:, 0]  # finished rows before n
+            movers = live[n:].nonzero()[:, 0] + n  # as many live rows past it
+            keep = torch.arange(n, device=live.device).index_copy_(0, holes, movers)
+            caches = caches.compact(holes, movers, n)
+        else:
+            keep = live.nonzero()[:, 0]
+            caches = caches.select(keep)
         run.starts = [run.starts[k] for k in keep.tolist()]
         run.slots = run.slots[keep]
-        return state.select(keep), caches.select(keep)
+        return state.select(keep), caches
 
     def _refill(
         self, state: DecodeState, caches: DecodeCaches, run: _Run, final: DecodeState, i: int

@@ -82,9 +82,21 @@ class DecodeCaches:
         return self.cross[0].k.shape[0]
 
     def select(self, rows: torch.Tensor) -> DecodeCaches:
-        """The caches of `rows` only (the eager path drops finished rows)."""
+        """The caches of `rows` only, new tensors (the eager path drops finished rows)."""
         return DecodeCaches(
             [c.select(rows) for c in self.self_attn], [c.select(rows) for c in self.cross]
+        )
+
+    def compact(self, into: torch.Tensor, rows: torch.Tensor, n: int) -> DecodeCaches:
+        """The caches of their first n rows once rows `rows` are copied into rows `into`, in
+        place: views of these tensors, which are overwritten. The eager path drops finished
+        rows so when nothing else reads the caches, copying the rows it moves only (a
+        select copies every row it keeps: for base in f32, 37 MiB a row)."""
+        for t in self.tensors():
+            t.index_copy_(0, into, t.index_select(0, rows))
+        return DecodeCaches(
+            [KVCache(c.k[:n], c.v[:n]) for c in self.self_attn],
+            [KVCache(c.k[:n], c.v[:n]) for c in self.cross],
         )
 
     def cross_kv(self) -> list[KV]:
