@@ -90,8 +90,8 @@ class DecodeCaches:
     def compact(self, into: torch.Tensor, rows: torch.Tensor, n: int) -> DecodeCaches:
         """The caches of their first n rows once rows `rows` are copied into rows `into`, in
         place: views of these tensors, which are overwritten. The eager path drops finished
-        rows so when nothing else reads the caches, copying the rows it moves only (a
-        select copies every row it keeps: for base in f32, 37 MiB a row)."""
+        rows this way when nothing else reads the caches: it copies only the rows it moves
+        (a select copies every row it keeps: 37 MiB a row for base in f32)."""
         for t in self.tensors():
             t.index_copy_(0, into, t.index_select(0, rows))
         return DecodeCaches(
