@@ -74,7 +74,7 @@ class Rules:
     """What the rules of one run need, as device tensors made once."""
 
     # (2, V) bool: row 0 the tokens never sampled, row 1 those not sampled as a row's
-    # first token; a step gathers each row's (a copy of rows, cheaper than a select).
+    # first token; a step indexes it by each row's (index == 0), one gather of rows.
     suppress: torch.Tensor
     ts_index: torch.Tensor  # (n_ts,) 0 .. n_ts - 1
     eot: int
