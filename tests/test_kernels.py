@@ -710,8 +710,8 @@ def test_cross_keys_stored_by_column_on_cpu_in_f32_only(random_dir, dtype):
 def test_encoder_feed_forward_in_row_tiles_equals_the_whole_call(random_dir, dtype, monkeypatch):
     """On CPU the encoder's feed-forward block runs in equal tiles of at most
     ENCODER_ROWS rows (3 windows: 4500 rows, 9 tiles of 500 a layer), and its output is
-    one call's over every row (equal where measured; the tolerance allows a BLAS that
-    blocks by the count of rows its rounding)."""
+    one call's over every row (equal where measured; the tolerance leaves room for a
+    BLAS whose rounding depends on the count of rows)."""
     from whisper_cli import model as model_module
     from whisper_cli.dtypes import resolve_policy
     from whisper_cli.loading import load_model

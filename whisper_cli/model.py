@@ -31,7 +31,7 @@ def encoder_mlp_tile(device: torch.device) -> int | None:
     On CPU a tile's fc1 output (512 rows: 4 MB at base) stays in cache through the GELU
     and fc2, where the whole call's is hundreds of MB at batch 16 (base: 196 MB, two of
     them live), written to memory and read back at each op: the encoder's peak memory
-    falls by about a third, its time does not rise (README, Speed). Each row's result is
+    falls by a quarter to a third, its time does not rise (README, Speed). Each row's result is
     its own (test_kernels compares it with one call). On CUDA one call is one set of
     kernels over the whole batch."""
     return kernels.ENCODER_ROWS if device.type == "cpu" else None
