@@ -602,11 +602,17 @@ def int8_linear(
     rows = x.reshape(m, k)
     out = x.new_empty((*x.shape[:-1], n))
     flat = out.view(m, n)
-    tiles = -(-m // INT8_TILE_ROWS)
-    for i in range(tiles):  # sizes differ by one at most
-        start, end = m * i // tiles, m * (i + 1) // tiles
-        run(rows[start:end], weight, scale, bias, form, flat[start:end])
+    for part in row_tiles(m, INT8_TILE_ROWS):
+        run(rows[part], weight, scale, bias, form, flat[part])
     return out
+
+
+def row_tiles(m: int, most: int) -> list[slice]:
+    """m rows cut into the fewest equal tiles of at most `most` rows (sizes differ by one
+    at most): for most = ENCODER_ROWS, every tile of a longer call is in that row class
+    (257-512 rows; 256 and 257 for 513), the class a plan times for the encoder."""
+    tiles = -(-m // most)
+    return [slice(m * i // tiles, m * (i + 1) // tiles) for i in range(tiles)]
 
 
 def conv1d(

@@ -25,15 +25,14 @@ KV = tuple[torch.Tensor, torch.Tensor]  # keys and values, (B, H, S, D) each
 
 def encoder_mlp_tile(device: torch.device) -> int | None:
     """The most rows per tile of the encoder's feed-forward block (a call of more runs
-    in equal tiles, in the kernel plan's class of ENCODER_ROWS, as int8_linear's), or
-    None for the whole call.
+    in kernels.row_tiles, as int8_linear's), or None for the whole call.
 
     On CPU a tile's fc1 output (512 rows: 4 MB at base) stays in cache through the GELU
     and fc2, where the whole call's is hundreds of MB at batch 16 (base: 196 MB, two of
     them live), written to memory and read back at each op: the encoder's peak memory
-    falls by a quarter to a third, its time does not rise (README, Speed). Each row's result is
-    its own (test_kernels compares it with one call). On CUDA one call is one set of
-    kernels over the whole batch."""
+    falls by a quarter to a third, its time does not rise (README, Speed). Each row's
+    result is its own (test_kernels compares it with one call). On CUDA one call is one
+    set of kernels over the whole batch."""
     return kernels.ENCODER_ROWS if device.type == "cpu" else None
 
 
@@ -278,18 +277,14 @@ class EncoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x))  # (B, S, C)
+        x = x + self.self_attn(self.self_attn_layer_norm(x))  # (B, S, C), a new tensor
         tile = encoder_mlp_tile(x.device)
         if tile is None:
             return x + self.mlp(x)
         rows = x.view(-1, x.shape[-1])
-        out = torch.empty_like(rows)
-        m = rows.shape[0]
-        tiles = -(-m // tile)
-        for i in range(tiles):  # sizes differ by one at most: one kernel class for all
-            part = slice(m * i // tiles, m * (i + 1) // tiles)
-            torch.add(rows[part], self.mlp(rows[part]), out=out[part])
-        return out.view(x.shape)
+        for part in kernels.row_tiles(rows.shape[0], tile):  # each reads only its rows
+            rows[part] += self.mlp(rows[part])
+        return x
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
