@@ -68,3 +68,26 @@ print(sum(per_batch[8:]))
 """
     faults = int(subprocess.check_output([sys.executable, "-c", code], text=True))
     assert faults < 1024  # the last four batches: 221184 pages with fresh mmaps
+
+
+def test_an_older_glibc_gets_the_highest_threshold_it_takes(monkeypatch) -> None:
+    """A glibc that refuses a threshold past 32 MiB gets 32 MiB (every block under it
+    from the heap), and the trim and top-pad settings stand."""
+    import whisper_cli.allocator as allocator
+
+    calls = []
+
+    def mallopt(param: int, value: int) -> int:
+        calls.append((param, value))
+        return 0 if param == allocator.M_MMAP_THRESHOLD and value > 32 << 20 else 1
+
+    class Libc:
+        pass
+
+    libc = Libc()
+    libc.mallopt = mallopt
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(allocator.ctypes, "CDLL", lambda name: libc)
+    assert keep_freed_memory() is True
+    assert calls[-1] == (allocator.M_MMAP_THRESHOLD, 32 << 20)
+    assert (allocator.M_TRIM_THRESHOLD, allocator.KEEP_BYTES) in calls
