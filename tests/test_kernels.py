@@ -234,21 +234,30 @@ def test_f32_blocks_logits_at_real_size():
 
 
 @pytest.mark.parametrize("lead", [(16, 1), (2, 300)], ids=str)
-@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
 def test_each_linear_matches_float64(dtype, lead):
-    """The f32 upcast is a half GEMM accumulating in f32: as exact as torch's, or more."""
+    """The f32 upcasts are a half GEMM accumulating in f32: as exact as torch's, or more;
+    oneDNN's packed GEMM is torch's GEMM in another order. Each is offered where it runs:
+    "packed" where oneDNN packs the dtype, "f32-packed" for half where it packs f32."""
     g = torch.Generator().manual_seed(6)
     x = torch.randn(*lead, 96, generator=g).to(dtype)
     weight, bias = torch.randn(80, 96, generator=g).to(dtype), torch.randn(80).to(dtype)
     ref = F.linear(x.double(), weight.double(), bias.double())
     plain = F.linear(x, weight, bias)
-    assert kernels.upcast_candidates("linear", dtype) == tuple(kernels.LINEAR)
-    for name in kernels.LINEAR:
+    names = kernels.upcast_candidates("linear", dtype)
+    half = dtype != torch.float32
+    assert names[0] == "linear" and ("f32-upcast" in names) == half
+    assert ("packed" in names) == kernels.packable(dtype)
+    assert ("f32-packed" in names) == (half and kernels.packable(torch.float32))
+    for name in names:
         for b in (bias, None):
             out = kernels.LINEAR[name](x, weight, b)
             assert out.dtype == dtype and out.shape == (*lead, 80), name
         out = kernels.LINEAR[name](x, weight, bias)
-        assert rel_err(out, ref) <= 1.01 * rel_err(plain, ref), name
+        if half:
+            assert rel_err(out, ref) <= 1.01 * rel_err(plain, ref), name
+        else:
+            torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("stride", [1, 2])
@@ -280,9 +289,11 @@ def plan_of(calls, dtype, **kwargs) -> kernels.KernelPlan:
     return kernels.build_plan(calls, dtype, **kwargs)
 
 
-def test_f32_linear_and_conv_are_never_timed(tmp_path, monkeypatch):
-    """f32 has the reference alone: chosen without a timing, nothing saved."""
+def test_f32_conv_is_never_timed_and_f32_linear_only_beside_packed(tmp_path, monkeypatch):
+    """f32 has the reference alone for a convolution, and for a linear layer where oneDNN
+    packs nothing: chosen without a timing, nothing saved."""
     monkeypatch.setattr(kernels, "time_candidates", no_timing)
+    monkeypatch.setitem(kernels._PACKABLE, torch.float32, False)
     x, weight = torch.randn(4, 1, 32), torch.randn(48, 32)
     mel, conv = torch.randn(1, 8, 40), torch.randn(16, 8, 3)
     calls = [
@@ -296,10 +307,11 @@ def test_f32_linear_and_conv_are_never_timed(tmp_path, monkeypatch):
         kernels.conv1d(mel, conv, None, 2, 1, plan), F.conv1d(mel, conv, None, 2, 1)
     )
     assert kernels.upcast_candidates("linear", torch.float32) == ("linear",)
+    assert kernels.upcast_candidates("conv1d", torch.float32) == ("conv",)
     assert not (tmp_path / "kernels.json").exists()
 
 
-def test_half_linear_and_conv_choices_are_timed_and_saved(tmp_path):
+def test_linear_and_conv_choices_are_timed_and_saved(tmp_path):
     weight, conv = torch.randn(48, 32).bfloat16(), torch.randn(16, 8, 3).bfloat16()
     calls = [
         call("linear", 5, 48, 32, weight=weight),
@@ -310,7 +322,14 @@ def test_half_linear_and_conv_choices_are_timed_and_saved(tmp_path):
     names = sorted(key.split("|")[-1] for key in saved)
     assert names == ["conv1d/bf16/Cin8xCout16xW3xL64/s2p1", "linear/bf16/M8xN48xK32"]
     assert sorted(plan.timed) == names
-    assert {n for e in saved.values() for n in e["ms"]} == {"linear", "conv", "f32-upcast"}
+    timed = {n for e in saved.values() for n in e["ms"]}
+    linear = kernels.upcast_candidates("linear", torch.bfloat16)
+    assert timed == {"conv", *linear} and "f32-upcast" in linear
+    if kernels.packable(torch.float32):  # f32 linear layers: the reference and packed
+        plan = plan_of([call("linear", 5, 48, 32, weight=weight.float())], torch.float32)
+        key = "linear/f32/M8xN48xK32"
+        assert plan.timed == {key}
+        assert set(plan.ms[key]) == {"linear", "packed"}
 
 
 def test_a_plan_times_once_and_writes_the_cache(tmp_path, monkeypatch):
