@@ -800,10 +800,13 @@ def test_forward_times_reads_and_writes_nothing(random_dir, tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_chosen_kernels_keep_a_real_bf16_model_as_exact_as_the_reference(monkeypatch):
+@pytest.mark.parametrize("mode", ["f32-upcast,blocked,f32-blocks", "packed", "f32-packed"])
+def test_chosen_kernels_keep_a_real_bf16_model_as_exact_as_the_reference(monkeypatch, mode):
     """tiny.en in bf16, teacher-forced over JFK's words: the upcast GEMMs and
-    convolutions, blocked attention and f32-blocks projection (forced, so no timing
-    decides) against torch's own bf16 kernels, both measured against the f32 model."""
+    convolutions, blocked attention and f32-blocks projection, or oneDNN's packed GEMMs in
+    bf16 or over f32 copies (forced, so no timing decides) against torch's own bf16
+    kernels, both measured against the f32 model; and the packed GEMMs in f32 against
+    torch's f32 ones."""
     from util import real_model, shared_clip
 
     from whisper_cli.audio import load_audio
@@ -830,8 +833,12 @@ def test_chosen_kernels_keep_a_real_bf16_model_as_exact_as_the_reference(monkeyp
         assert out.dtype == model.dtype
         return out.double()
 
+    if mode == "packed" and not kernels.packable(torch.bfloat16):
+        pytest.skip("oneDNN packs no bf16 weights on this CPU")
+    if mode == "f32-packed" and not kernels.packable(torch.float32):
+        pytest.skip("no oneDNN in this torch")
     f32 = logits("f32", "reference")
-    forced = logits("bf16", "f32-upcast,blocked,f32-blocks")
+    forced = logits("bf16", mode)
     plain = logits("bf16", "reference")
 
     def err(x):
@@ -845,6 +852,9 @@ def test_chosen_kernels_keep_a_real_bf16_model_as_exact_as_the_reference(monkeyp
     # Xeon with AMX (0.0090 against 0.0082). A kernel that lost precision would be far off.
     assert err(forced) <= 1.25 * err(plain)
     assert agree(forced) >= agree(plain) - 1 / f32.shape[0]  # at most one token apart
+    if mode == "packed":  # f32: the same products summed in another order (measured 9e-7)
+        packed = logits("f32", "packed")
+        assert 0 < err(packed) < 1e-5 and agree(packed) == 1.0  # 0: packed never ran
 
 
 # --- int8 linear layers ------------------------------------------------------------------
