@@ -340,8 +340,9 @@ def _linear_packed(x, weight, bias, packed: Tensor | None = None):
 def _linear_f32_packed(x, weight, bias, packed: Tensor | None = None):
     """ "packed" over a float32 copy of an f16/bf16 weight (exactly its values), packed
     once and kept with the weight, from float32 copies of the rows and bias, the result
-    rounded once (see _linear_f32): oneDNN's f32 GEMM on CPUs where it packs no half
-    weights. Costs a float32 copy of each weight it runs. `packed`: as in _linear_packed."""
+    rounded once (see _linear_f32): oneDNN's f32 GEMM, which on CPUs without native half
+    GEMMs (where oneDNN packs no half weights) is the fast one. Costs a float32 copy of
+    each weight it runs. `packed`: as in _linear_packed."""
     if packed is None:
         packed = _derived(weight, "f32-packed", lambda: _reorder_f32(weight))
     b = None if bias is None else bias.float()
@@ -521,8 +522,7 @@ _INT8_PREPARE: dict[str, Callable[[Tensor, Tensor], object]] = {
     "onednn": _onednn_prepare,
     "weight-only": lambda weight, scale: scale.to(torch.bfloat16),  # the scales, in bf16
 }
-# The forms that are a packed copy of the whole weight, made at every load: a layer holds
-# one at most (see _one_packed_form).
+# The forms that are a packed copy of the whole weight, made at every load.
 _INT8_PACKED = frozenset({"fbgemm", "onednn"})
 
 
@@ -889,9 +889,10 @@ def build_plan(
 
     Mode auto: each shape class's choice read from the cache file (`path`, default
     kernels_cache_path()) for this machine and thread count, or timed now where the file
-    has none (or one made among other candidates) and merged into it. Other modes, and a
-    class with one candidate (f32 linear layers and convolutions), time nothing. Off the
-    CPU the reference runs everywhere.
+    has none (or one made among other candidates) and merged into it; the classes of one
+    weight then share one copy of it (_one_copy). Other modes, and a class with one
+    candidate (f32 convolutions; f32 linear layers where oneDNN packs nothing), time
+    nothing. Off the CPU the reference runs everywhere.
     """
     device = torch.device(device)
     mode = kernels_mode() if mode is None else mode
@@ -904,15 +905,16 @@ def build_plan(
     saved: dict[str, dict] = {}
     times_of: dict[tuple, dict[str, float]] = {}  # the same calls are timed once
     shapes: set[tuple] = set()  # calls of layers alike: one class, looked up once
-    int8_classes: dict[tuple[int, int], dict[str, int]] = {}  # (N, K) -> class -> rows
+    # (op, weight shape) -> class -> rows, for the ops whose implementations copy the weight
+    copy_classes: dict[tuple, dict[str, int]] = {}
     for call in calls:
         if (call.op, call.shape) in shapes:
             continue
         shapes.add((call.op, call.shape))
         op = OPS[call.op]
         cls = op.shape_class(dtype, *call.shape)
-        if call.op == "int8-linear":
-            int8_classes.setdefault(call.shape[1:], {})[cls.name] = cls.timing[0]
+        if call.op in WEIGHT_COPIES:
+            copy_classes.setdefault((call.op, *call.shape[1:]), {})[cls.name] = cls.timing[0]
         if cls.name in plan.choices:
             continue
         if mode != "auto" or len(cls.candidates) == 1:
@@ -931,29 +933,39 @@ def build_plan(
         plan.choices[cls.name] = entry["choice"]
         plan.ms[cls.name] = entry["ms"]
     if mode == "auto":
-        for classes in int8_classes.values():
-            _one_packed_form(plan, classes)
+        for (op, *_), classes in copy_classes.items():
+            _one_copy(plan, classes, WEIGHT_COPIES[op])
     if saved:
         _write(path, saved)
     return plan
 
 
-def _one_packed_form(plan: KernelPlan, classes: dict[str, int]) -> None:
-    """The int8 classes of one weight shape (class -> its rows) share one packed form of
-    the weight: the one its largest class chose. Where a smaller class timed another
-    packed form fastest, it takes the fastest of the rest instead (its timings are kept;
-    the cache keeps its own choice).
+# Per op, the implementations that keep a copy of the whole weight (packed, or in float32)
+# beside it for the model's life: a weight holds one of them at most (see _one_copy).
+WEIGHT_COPIES: dict[str, frozenset[str]] = {
+    "int8-linear": _INT8_PACKED,
+    "linear": frozenset({"f32-upcast", "packed", "f32-packed"}),
+    "logits": frozenset({"packed", "f32-packed"}),
+}
 
-    A packed form is a copy of the weight, packed at every load: for tiny.en's vocabulary
-    projection 19 MiB and 46 ms for fbgemm's, beside oneDNN's. Two of them bought 0.2 ms
-    a call at one to four rows (Intel Xeon with AMX), which only a batch's last steps run.
+
+def _one_copy(plan: KernelPlan, classes: dict[str, int], copies: frozenset[str]) -> None:
+    """The classes of one op and weight shape (class -> its rows) share one copy of the
+    weight (an implementation in `copies`): the one its largest class chose. Where a
+    smaller class timed another copy fastest, it takes the fastest of the rest instead (its
+    timings are kept; the cache keeps its own choice).
+
+    A copy is as large as the weight, or larger: for tiny.en's vocabulary projection 19
+    MiB and 46 ms at every load for fbgemm's int8 form beside oneDNN's, 76 MiB for a float32
+    one. Two int8 forms bought 0.2 ms a call at one to four rows (Intel Xeon with AMX),
+    which only a batch's last steps run.
     """
     by_rows = sorted(classes, key=classes.__getitem__, reverse=True)
-    kept = next((plan.choices[c] for c in by_rows if plan.choices[c] in _INT8_PACKED), None)
+    kept = next((plan.choices[c] for c in by_rows if plan.choices[c] in copies), None)
     for name in by_rows:
         choice = plan.choices[name]
-        if choice in _INT8_PACKED and choice != kept and name in plan.ms:
-            times = {n: t for n, t in plan.ms[name].items() if n not in _INT8_PACKED - {kept}}
+        if choice in copies and choice != kept and name in plan.ms:
+            times = {n: t for n, t in plan.ms[name].items() if n not in copies - {kept}}
             plan.choices[name] = _fastest_of(times)
 
 
