@@ -174,8 +174,8 @@ def test_fallback_rules_and_the_best_attempt(tok) -> None:
     # Among those that are not repetitive, the best average log-prob (faster-whisper's rule).
     candidates = [looping, unsure, less_unsure, unsure]
     texts_ = [text * 8, text, text, text]
-    assert best(candidates, texts_, POLICY, [True] * 4) is less_unsure
-    assert best([looping, looping], [text * 8] * 2, POLICY, [True] * 2) is looping  # of all
+    assert best(candidates, texts_, POLICY) is less_unsure
+    assert best([looping, looping], [text * 8] * 2, POLICY) is looping  # the best of all
 
 
 def test_a_confident_repetitive_attempt_beats_unsure_samples(tok) -> None:
@@ -191,11 +191,9 @@ def test_a_confident_repetitive_attempt_beats_unsure_samples(tok) -> None:
     )
     drifted_text = " He began a frontline violence, the Commonwealth.".strip()
     attempts = [repeats, drifted, drifted]
-    assert best(attempts, [text, drifted_text, drifted_text], POLICY, [True] * 3) is repeats
-    # Not heard (text over no speech, or a likely silent window): the unsure rule decides.
-    assert best(attempts, [text, drifted_text, drifted_text], POLICY, [False] * 3) is drifted
+    assert best(attempts, [text, drifted_text, drifted_text], POLICY) is repeats
     cut = row(tok, [(0.0, 13.0, said * 3, -0.1)], looped=True)
-    assert best([cut, drifted], [text, drifted_text], POLICY, [True] * 2) is drifted
+    assert best([cut, drifted], [text, drifted_text], POLICY) is drifted
     w = window([(0.0, 20.0)])
     loop = " the the the the the the the the the the the the the the the the the the"
     with_loop = row(tok, [(0.0, 4.0, said, -0.2), (4.5, 18.0, loop * 3, -0.2)])
@@ -204,27 +202,3 @@ def test_a_confident_repetitive_attempt_beats_unsure_samples(tok) -> None:
     verdict = judge(w, attempts, POLICY, tok)
     assert verdict.row is with_loop and texts(verdict) == [said.strip()]
     assert verdict.repetitive == 1
-
-
-def test_a_sentence_written_again_over_no_speech_is_not_kept_by_confidence(tok) -> None:
-    """The classic hallucination: speech, then a confident sentence written again and again
-    where the map holds no speech (too few tokens a copy for the guard, none compressing
-    by itself). It is not heard, so its confidence does not keep it: the unsure sample's
-    rule decides, and the text over no speech goes with the decoder's doubt."""
-    w = window([(0.0, 6.0)], seconds=30.0)
-    said = " Ask not what your country can do for you."
-    thanks = " Thank you for watching."
-    pieces = [(0.0, 5.5, said, -0.2)] + [
-        (9.0 + 3 * i, 11.0 + 3 * i, thanks, -0.1) for i in range(6)
-    ]
-    haunted = row(tok, pieces)
-    text = (said + thanks * 6).strip()
-    assert not haunted.looped and haunted.avg_logprob >= POLICY.logprob_threshold
-    assert needs_fallback(haunted, text, POLICY)  # the whole text compresses past 2.4
-    sample = row(tok, [(0.0, 5.5, said, -1.1), (9.0, 11.0, " Thank you.", -2.5)], avg=-1.3)
-    attempts = [haunted] + [sample] * (len(POLICY.temperatures) - 1)
-    verdict = judge(w, attempts, POLICY, tok)
-    assert verdict.row is sample
-    assert texts(verdict) == [said.strip()]  # "Thank you." over no speech, unsure: dropped
-    repeated = window([(0.0, 30.0)], seconds=30.0)  # speech under it all: heard, kept
-    assert judge(repeated, attempts, POLICY, tok).row is haunted

@@ -67,34 +67,23 @@ def needs_fallback(row: DecodedRow, text: str, policy: Policy) -> bool:
     )
 
 
-def best(
-    attempts: list[DecodedRow], texts: list[str], policy: Policy, heard: list[bool]
-) -> DecodedRow:
-    """The last attempt if it passed; else the one the evidence favours.
+def best(attempts: list[DecodedRow], texts: list[str], policy: Policy) -> DecodedRow:
+    """The last attempt if it passed; else the one the decoder's own evidence favours.
 
-    heard: per attempt, whether the speech map holds speech under all its text and the
-    decoder does not take the window for silence (see is_heard).
-
-    First, the best average log-prob among the attempts that are heard, confident (at or
-    above logprob_threshold) and not cut by the repetition guard: such an attempt failed
-    by its whole text's compression ratio alone. Speech that really repeats (a sentence
-    said again, a refrain, a list read twice) compresses like a loop, and the attempts
-    sampled after it then drift into words that are not there, unsure: keeping the best
-    of those replaced 28 s of repeated, clearly spoken English with invented text
-    (tiny.en, ratio 2.46 against 2.4). A loop of up to max_loop_period tokens is cut by
-    the guard while decoding, a segment that loops by itself is dropped by judge(), and
-    a sentence written again over no speech (the classic "Thank you for watching.") is
-    not heard: none of them is kept by this preference.
+    First, the best average log-prob among the confident attempts (at or above
+    logprob_threshold) that the repetition guard did not cut: such an attempt failed by
+    its whole text's compression ratio alone. Speech that really repeats (a sentence said
+    again, a refrain, a list read twice) compresses like a loop, and the attempts sampled
+    after it then drift into words that are not there, unsure: keeping the best of those
+    replaced 28 s of repeated, clearly spoken English with invented text (tiny.en, ratio
+    2.46 against 2.4). A loop inside a confident attempt still goes: the guard cuts it
+    while decoding, and judge() drops each segment that compresses past the threshold.
     Else, as faster-whisper: the best average log-prob among the attempts that are not
     too repetitive (or among all, if none is)."""
     last = attempts[-1]
     if len(attempts) == 1 or not needs_fallback(last, texts[-1], policy):
         return last
-    confident = [
-        a
-        for a, h in zip(attempts, heard, strict=True)
-        if h and not a.looped and a.avg_logprob >= policy.logprob_threshold
-    ]
+    confident = [a for a in attempts if not a.looped and a.avg_logprob >= policy.logprob_threshold]
     if confident:
         return max(confident, key=lambda a: a.avg_logprob)
     fine = [
@@ -105,36 +94,15 @@ def best(
     return max(fine or attempts, key=lambda a: a.avg_logprob)
 
 
-def speech_under(window: Window, start: float, end: float, policy: Policy) -> bool:
-    """Whether the map holds speech under [start, end) seconds of the window, its timing
-    margin included."""
-    margin = policy.text_speech_margin_seconds
-    speech = window.speech_seconds_between(start - margin, end + margin)
-    return speech >= policy.text_min_speech_seconds
-
-
-def is_heard(window: Window, row: DecodedRow, tokenizer: Tokenizer, policy: Policy) -> bool:
-    """Whether the decoder does not take the window for silence (no-speech probability at
-    most no_speech_threshold) and the map holds speech under each of the row's pieces of
-    text."""
-    if row.no_speech_prob > policy.no_speech_threshold:
-        return False
-    ts_begin = tokenizer.special.timestamp_begin
-    for piece in text_pieces(row.tokens, ts_begin, window.duration):
-        if not tokenizer.decode(list(row.tokens[piece.tokens])).strip():
-            continue
-        if not speech_under(window, piece.start, piece.end, policy):
-            return False
-    return True
-
-
 def over_non_speech(
     window: Window, start: float, end: float, logprob: float, row: DecodedRow, policy: Policy
 ) -> bool:
     """Whether text at [start, end) seconds of the window lies over non-speech: the map
     holds (almost) no speech under it, its timing margin included, and the decoder
     doubts it (its own tokens are unlikely, or the window is probably silent)."""
-    if speech_under(window, start, end, policy):
+    margin = policy.text_speech_margin_seconds
+    speech = window.speech_seconds_between(start - margin, end + margin)
+    if speech >= policy.text_min_speech_seconds:
         return False
     return logprob < policy.logprob_threshold or row.no_speech_prob > policy.no_speech_threshold
 
@@ -155,14 +123,7 @@ def judge(
     texts = [row_text(a, tokenizer) for a in attempts]
     if needs_fallback(attempts[-1], texts[-1], policy) and len(attempts) < len(policy.temperatures):
         return Judgement(final=False)
-    # With the map off (the detector not trusted) it is no evidence either way.
-    heard = [
-        a.no_speech_prob <= policy.no_speech_threshold
-        if not use_map
-        else is_heard(window, a, tokenizer, policy)
-        for a in attempts
-    ]
-    row = best(attempts, texts, policy, heard)
+    row = best(attempts, texts, policy)
     text = next(t for a, t in zip(attempts, texts, strict=True) if a is row)
     if is_silent(row, text, policy):
         return Judgement(final=True, row=row, silent=True)
