@@ -176,29 +176,3 @@ def test_fallback_rules_and_the_best_attempt(tok) -> None:
     texts_ = [text * 8, text, text, text]
     assert best(candidates, texts_, POLICY) is less_unsure
     assert best([looping, looping], [text * 8] * 2, POLICY) is looping  # the best of all
-
-
-def test_a_confident_repetitive_attempt_beats_unsure_samples(tok) -> None:
-    """No attempt passed: the confident one that failed by its whole text's compression
-    ratio alone (speech that repeats) is kept over the unsure samples after it; one the
-    guard cut is not, and a loop segment inside the kept one is still dropped."""
-    said = " He began a confused complaint against the wizard."
-    repeats = row(tok, [(0.0, 4.0, said, -0.2), (4.5, 8.5, said, -0.2), (9.0, 13.0, said, -0.2)])
-    text = (said * 3).strip()
-    assert needs_fallback(repeats, text, POLICY) and repeats.avg_logprob >= POLICY.logprob_threshold
-    drifted = row(
-        tok, [(0.0, 13.0, " He began a frontline violence, the Commonwealth.", -1.3)], avg=-1.3
-    )
-    drifted_text = " He began a frontline violence, the Commonwealth.".strip()
-    attempts = [repeats, drifted, drifted]
-    assert best(attempts, [text, drifted_text, drifted_text], POLICY) is repeats
-    cut = row(tok, [(0.0, 13.0, said * 3, -0.1)], looped=True)
-    assert best([cut, drifted], [text, drifted_text], POLICY) is drifted
-    w = window([(0.0, 20.0)])
-    loop = " the the the the the the the the the the the the the the the the the the"
-    with_loop = row(tok, [(0.0, 4.0, said, -0.2), (4.5, 18.0, loop * 3, -0.2)])
-    unsure = row(tok, [(0.0, 13.0, said, -1.5)], avg=-1.5)
-    attempts = [with_loop] + [unsure] * (len(POLICY.temperatures) - 1)
-    verdict = judge(w, attempts, POLICY, tok)
-    assert verdict.row is with_loop and texts(verdict) == [said.strip()]
-    assert verdict.repetitive == 1

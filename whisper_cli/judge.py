@@ -68,24 +68,11 @@ def needs_fallback(row: DecodedRow, text: str, policy: Policy) -> bool:
 
 
 def best(attempts: list[DecodedRow], texts: list[str], policy: Policy) -> DecodedRow:
-    """The last attempt if it passed; else the one the decoder's own evidence favours.
-
-    First, the best average log-prob among the confident attempts (at or above
-    logprob_threshold) that the repetition guard did not cut: such an attempt failed by
-    its whole text's compression ratio alone. Speech that really repeats (a sentence said
-    again, a refrain, a list read twice) compresses like a loop, and the attempts sampled
-    after it then drift into words that are not there, unsure: keeping the best of those
-    replaced 28 s of repeated, clearly spoken English with invented text (tiny.en, ratio
-    2.46 against 2.4). A loop inside a confident attempt still goes: the guard cuts it
-    while decoding, and judge() drops each segment that compresses past the threshold.
-    Else, as faster-whisper: the best average log-prob among the attempts that are not
-    too repetitive (or among all, if none is)."""
+    """The last attempt if it passed; else, as faster-whisper, the best average log-prob
+    among the attempts that are not too repetitive (or among all, if none is)."""
     last = attempts[-1]
     if len(attempts) == 1 or not needs_fallback(last, texts[-1], policy):
         return last
-    confident = [a for a in attempts if not a.looped and a.avg_logprob >= policy.logprob_threshold]
-    if confident:
-        return max(confident, key=lambda a: a.avg_logprob)
     fine = [
         a
         for a, text in zip(attempts, texts, strict=True)
