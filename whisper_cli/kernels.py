@@ -79,13 +79,12 @@ CONV_TIMING_LENGTH = 512  # frames a convolution is timed on (see _conv1d_shape)
 INT8_TILE_ROWS = ENCODER_ROWS
 # Timing: most elements of one synthetic K tensor (the batch is cut to fit). Each
 # candidate is warmed up once, and a second time where it is TIMING_CUTOFF times slower
-# than the best (the best as it stands after such second calls too; oneDNN makes a
-# kernel for each new shape in its first call:
-# measured on Zen 4, a packed 384x384 linear's first call at one row took 0.47 ms, its
-# later ones 0.02-0.05); one still that slow is dropped there. Then the rest are called
-# in turn, round after round (a load burst on a shared machine then hits all of them
-# alike), for at least TIMING_REPS rounds and
-# TIMING_MIN_S, at most TIMING_MAX_REPS; each keeps its fastest call. Another
+# than the best (the best as it stands after such second calls too): oneDNN makes a
+# kernel for each new shape in its first call (measured on Zen 4: a packed 384x384
+# linear's first call at one row took 0.47 ms, its later ones 0.02-0.05). One still that
+# slow is dropped there. Then the rest are called in turn, round after round (a load
+# burst on a shared machine then hits all of them alike), for at least TIMING_REPS rounds
+# and TIMING_MIN_S, at most TIMING_MAX_REPS; each keeps its fastest call. Another
 # implementation replaces the reference only when TIMING_MARGIN faster (a tie keeps the
 # reference, and a repeated timing does not flip between near-equals).
 TIMING_ELEMENTS = 1 << 24
@@ -327,10 +326,10 @@ def _linear_f32(x, weight, bias, f32: tuple[Tensor, Tensor | None] | None = None
 def _linear_packed(x, weight, bias, packed: Tensor | None = None):
     """x W^T + b by oneDNN over a copy of the weight packed once in its blocked layout
     and kept with the weight (_packed): BLAS repacks the weight on every call, which at
-    the decode step's few rows costs as much as the product (measured on Zen 4: 1.5-2.2x
-    faster at 16 rows, 10-25% at the encoder's 512). Costs one more copy of each weight
-    it runs. `packed`: a copy packed by the caller (timing packs its own, so that the run
-    keeps none it did not choose)."""
+    the decode step's few rows costs as much as the product (measured on Zen 4, f32,
+    tiny's and base's shapes: 1.2-2.3x as fast at 16 rows, 1.1-1.3x at the encoder's
+    512). Costs one more copy of each weight it runs. `packed`: a copy packed by the
+    caller (timing packs its own, so that the run keeps none it did not choose)."""
     rows = x.reshape(-1, x.shape[-1])  # (M, K)
     packed = _packed(weight) if packed is None else packed
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
@@ -956,9 +955,9 @@ def _one_copy(plan: KernelPlan, classes: dict[str, int], copies: frozenset[str])
     timings are kept; the cache keeps its own choice).
 
     A copy is as large as the weight, or larger: for tiny.en's vocabulary projection 19
-    MiB and 46 ms at every load for fbgemm's int8 form beside oneDNN's, 76 MiB for a float32
-    one. Two int8 forms bought 0.2 ms a call at one to four rows (Intel Xeon with AMX),
-    which only a batch's last steps run.
+    MiB and 46 ms at every load for fbgemm's int8 form beside oneDNN's, 76 MiB for a
+    float32 one (computed from the shape). Two int8 forms bought 0.2 ms a call at one to
+    four rows (Intel Xeon with AMX), which only a batch's last steps run.
     """
     by_rows = sorted(classes, key=classes.__getitem__, reverse=True)
     kept = next((plan.choices[c] for c in by_rows if plan.choices[c] in copies), None)
