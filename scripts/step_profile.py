@@ -36,6 +36,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from whisper_cli.allocator import keep_freed_memory  # noqa: E402
 from whisper_cli.audio import SAMPLE_RATE, open_audio  # noqa: E402
 from whisper_cli.decoding import DecodeOptions  # noqa: E402
 from whisper_cli.dtypes import DTYPE_NAMES, DtypePolicy  # noqa: E402
@@ -92,6 +93,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
+    keep_freed_memory()  # as the CLI does: without it every (B, V) tensor is faulted in anew
     policy = DtypePolicy(DTYPE_NAMES[args.dtype], torch.device("cpu"), args.quantize)
     loaded = load_model(args.model, policy, TranscribeOptions(batch_size=args.batch))
     audio = np.concatenate(list(open_audio(args.audio).blocks()))
