@@ -70,7 +70,7 @@ EXCEPTION_OF = {
     ("whisper_cli.engine", "f32_log_softmax"): "log-softmax over logits",
     ("whisper_cli.rules", "f32_logsumexp"): "log-softmax over logits",
     ("whisper_cli.decoding", "f32_logprobs"): "log-softmax over logits",
-    ("whisper_cli.decoding", "f32_logsumexp"): "log-softmax over logits",
+    ("whisper_cli.decoding", "f32_log_softmax"): "log-softmax over logits",
     ("whisper_cli.decoding", "uniform"): "sampling draw",
     ("whisper_cli.decoding", "f32_softmax"): "sampling draw",
     ("whisper_cli.timing", "f32_log_softmax"): "word-timing cost",
@@ -147,7 +147,7 @@ def exceptions_marked(rec: DtypeRecorder, unmarked: str | None = None) -> Iterat
         (decoding, "uniform", exception),
         (decoding, "f32_softmax", exception),
         (decoding, "f32_logprobs", exception),
-        (decoding, "f32_logsumexp", exception),
+        (decoding, "f32_log_softmax", exception),
         (timing, "f32_log_softmax", exception),
         (timing, "f32_alignment_weights", exception),
     ]

@@ -398,3 +398,38 @@ def test_a_refilled_run_passes_every_row_to_the_language_picker():
     assert [r.language for r in refilled.rows] == [r.language for r in whole.rows]
     assert [r.language for r in whole.rows] == ["en", "en", "de", "en", "en"]
     assert [r.tokens for r in refilled.rows] == [r.tokens for r in whole.rows]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [7, 256, 257, 51864, 51866])
+def test_first_argmax_is_argmax_first_of_ties(dtype, n):
+    """The block search picks what argmax picks (the first of equal maxima, NaN the
+    largest) whatever block holds it: ties within and across blocks, the last column
+    (a short tail block or none), rows with nothing left but -inf."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(-3, 4, (24, n), generator=g).to(dtype)  # every row full of ties
+    x[0] = float("-inf")
+    x[1, n - 1] = 9  # alone in the last column
+    x[2, [n // 3, n - 1]] = 9  # tied maxima, blocks apart (the same block when n is small)
+    x[3, :] = float("-inf")
+    x[3, n - 1] = -5
+    x[4, n // 2] = float("nan")
+    x[5, [min(255, n - 1), min(256, n - 1)]] = 9  # on either side of a block boundary
+    got = decoding.first_argmax(x)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert got[2] == n // 3 and got[1] == n - 1 and got[0] == 0
+
+
+def test_fill_rows_sets_rows_to_minus_inf_and_keeps_the_other_values():
+    from whisper_cli.rules import fill_rows
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(4, 10).to(dtype)
+        x[1, 2] = float("-inf")
+        x[2, 3] = -0.0
+        before = x.clone()
+        fill_rows(x[:, :6], torch.tensor([True, False, False, True]))
+        assert torch.isneginf(x[[0, 3], :6]).all()
+        assert torch.equal(x[[1, 2]], before[[1, 2]])  # the same values (-0.0 may become 0.0)
+        assert torch.equal(x[:, 6:], before[:, 6:])  # columns outside the view untouched
+        assert x.dtype == dtype

