@@ -107,8 +107,8 @@ class DecodeCaches:
         (a select copies every row it keeps: 35 MiB a row for base in f32)."""
         for t in self.tensors():
             # In t's own layout: a plain index_select lays transposed cross keys out by
-            # rows, and index_copy_ transposes them back (6.4 against 1.1 ms a layer for
-            # 4 of tiny.en's rows in f32, AMD EPYC Zen 4).
+            # rows, and index_copy_ transposes them back (6.4 against 1.1 ms for one
+            # layer's keys, 4 of tiny.en's rows in f32, AMD EPYC Zen 4).
             t.index_copy_(0, into, _rows_of(t, rows))
         return DecodeCaches(
             [KVCache(c.k[:n], c.v[:n]) for c in self.self_attn],
