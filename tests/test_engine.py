@@ -22,7 +22,7 @@ from whisper_cli import decoding
 from whisper_cli.audio import load_audio
 from whisper_cli.decoding import DecodeOptions, DecodeState
 from whisper_cli.dtypes import resolve_policy
-from whisper_cli.engine import Engine, WindowInput
+from whisper_cli.engine import Engine, Reply, Retry, WindowInput
 from whisper_cli.features import log_mel
 from whisper_cli.loading import load_model
 from whisper_cli.model import FIXED, Extent
@@ -275,6 +275,42 @@ def test_a_refilled_run_decodes_each_row_as_batches_do():
     ran, batch = refilled_engine.counters, batches_engine.counters
     assert ran.refills == 6 and batch.refills == 0
     assert ran.steps < batch.steps
+
+
+@pytest.mark.slow
+def test_a_retry_asked_for_as_a_row_finishes_is_decoded_in_the_same_run():
+    """tiny.en on five real windows, 2 rows at a time: `on_finish` hears of each row once
+    as it finishes (the caller's index, then the retry's), and the retry it asks for is
+    decoded in the same run, on its window's encoder output, to what that window at that
+    temperature and seed decodes alone; the other rows are as in a run with no retry."""
+    loaded = load_model(str(real_model("tiny.en")), F32)
+    jfk = load_audio(shared_clip("jfk.flac"))
+    left = load_audio(shared_clip("stereo_diarization.wav"), "left")
+    long = np.concatenate([left, jfk, left, jfk])
+    rows = [WindowInput(long[i * 240_000 : i * 240_000 + 480_000], language=None) for i in range(5)]
+    plain = Engine(loaded, DecodeOptions()).run(rows, slots=2)
+
+    heard: list[int] = []
+
+    def on_finish(r: int, row, spare: int) -> Reply:
+        heard.append(r)
+        assert 0 <= spare <= 1  # two rows at once, one of them just finished
+        return Reply([(3, Retry(temperature=0.6, seed=11))] if r == 3 else [])
+
+    engine = Engine(loaded, DecodeOptions())
+    decoded = engine.run(rows, slots=2, on_finish=on_finish)
+    assert sorted(heard) == [0, 1, 2, 3, 4, 5]
+    assert heard.index(3) < heard.index(5)
+    assert len(decoded.rows) == 6 and decoded.rows[5].temperature == 0.6
+    assert [r.tokens for r in decoded.rows[:5]] == [r.tokens for r in plain.rows]
+    assert torch.equal(decoded.kept(5), decoded.kept(3))
+    assert decoded.features.shape[0] == 5  # the window is encoded once
+    again = WindowInput(rows[3].audio, language=None, temperature=0.6, seed=11)
+    alone = Engine(loaded, DecodeOptions()).run([again]).rows[0]
+    assert decoded.rows[5].tokens == alone.tokens and alone.tokens != plain.rows[3].tokens
+    assert decoded.rows[5].avg_logprob == pytest.approx(alone.avg_logprob, abs=1e-5)
+    ran = engine.counters
+    assert ran.refills == 4 and ran.decoded_rows == 6 and ran.encoded_rows == 5
 
 
 def test_rows_dropped_in_place_decode_as_rows_never_dropped(monkeypatch):

@@ -193,13 +193,6 @@ class DecodeState:
         for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
             mine.copy_(theirs)
 
-    def store(self, into: DecodeState, rows: torch.Tensor, at: torch.Tensor | None = None) -> None:
-        """Write these rows' tokens and results (or those of rows `at` of them) into
-        `into`, the whole run's, at `rows`."""
-        for name in ("tokens", "logprobs", "loop_cut"):
-            mine = getattr(self, name)
-            getattr(into, name)[rows] = mine if at is None else mine[at]
-
     def put(self, rows: torch.Tensor, other: DecodeState) -> None:
         """Take `other`'s rows (every field, in order) into these buffers at `rows`, in
         place (a refilled row's fresh state)."""
@@ -398,22 +391,25 @@ def stop_loops(state: DecodeState, policy: Policy, timestamp_begin: int) -> None
 
 def decoded_rows(
     state: DecodeState,
+    slots: list[int],
     eot: int,
     no_speech: list[float],
     languages: list[str | None],
     temperatures: list[float],
 ) -> list[DecodedRow]:
-    """The host's view of a finished decode: one DecodedRow per row of `no_speech` (the
-    state's first rows; padding rows after them are not read)."""
+    """The host's view of finished rows: one DecodedRow per state row in `slots`, with
+    that row's no-speech probability, language and temperature (lists in `slots`' order)."""
     results = []
-    n, n_max = len(no_speech), state.max_new
-    for r, (seq, logprobs, cut) in enumerate(
-        zip(
-            state.tokens[:n, :n_max].tolist(),
-            state.logprobs[:n, :n_max].tolist(),
-            state.loop_cut[:n].tolist(),
-            strict=True,
-        )
+    at = torch.tensor(slots, dtype=torch.long, device=state.tokens.device)
+    n_max = state.max_new
+    for seq, logprobs, cut, no_speech_prob, language, temperature in zip(
+        state.tokens[at, :n_max].tolist(),
+        state.logprobs[at, :n_max].tolist(),
+        state.loop_cut[at].tolist(),
+        no_speech,
+        languages,
+        temperatures,
+        strict=True,
     ):
         n = seq.index(eot) if eot in seq else len(seq)
         kept = min(n, cut) if cut >= 0 else n
@@ -422,11 +418,11 @@ def decoded_rows(
                 tokens=tuple(seq[:kept]),
                 token_logprobs=tuple(logprobs[:kept]),
                 avg_logprob=sum(logprobs) / (n + 1),  # as openai-whisper: end-of-text counts
-                no_speech_prob=no_speech[r],
-                language=languages[r],
+                no_speech_prob=no_speech_prob,
+                language=language,
                 looped=cut >= 0,
                 hit_max_tokens=cut < 0 and eot not in seq,
-                temperature=temperatures[r],
+                temperature=temperature,
             )
         )
     return results

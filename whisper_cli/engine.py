@@ -8,7 +8,11 @@ objects (`Decoded`), never on the engine, except a compiled step's fixed buffers
 
 A run may hold more windows than the batch decodes at once (`slots`): the rest wait, and
 each row that finishes is refilled with the next of them (continuous batching), so no
-step is spent on a finished row while windows wait. A refilled row starts its own count
+step is spent on a finished row while windows wait. The caller hears of each row as it
+finishes (`on_finish`) and may ask for its window again at other temperatures (a
+fallback, `Retry`): retries wait first in line, so a window's attempts follow one
+another within the run instead of stepping in a run of their own, and later attempts can
+be decoded ahead in rows that nothing else would fill. A refilled row starts its own count
 of tokens (positions per row, see decoding.DecodeState), and the repetition guard judges
 every row at the same counts of its own tokens whatever the step: a row's text does not
 depend on which rows share its batch, nor on when it entered it.
@@ -30,7 +34,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -75,11 +79,38 @@ class WindowInput:
 
 
 @dataclass(frozen=True)
+class Retry:
+    """A finished row's window decoded again, at another temperature and seed (its audio,
+    encoder output, language and speech map are the row's)."""
+
+    temperature: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What the caller wants once a row has finished: windows to decode again, each as
+    (the index of a row of that window, its retry), in order; and rows it asked for
+    before and no longer needs, by index: those in the batch stop where they are (and
+    are told of as they finish), one still waiting is decoded all the same."""
+
+    retries: Sequence[tuple[int, Retry]] = ()
+    stop: Sequence[int] = ()
+
+
+# Told of each row as it finishes: its index in the run's results (see Engine.run), what
+# it decoded, and the batch's finished rows that no waiting row will take (spare: the
+# eager batch drops finished rows, a compiled one keeps its width).
+OnFinish = Callable[[int, DecodedRow, int], Reply]
+
+
+@dataclass(frozen=True)
 class Decoded:
     """A decoded batch: its real rows' results, and what a later attempt at a row and
     the alignment pass need of the batch. Aligned before the engine's next run (a
     compiled engine refills its buffers then)."""
 
+    # The caller's rows, then the retries asked for during the run, in the order asked.
     rows: list[DecodedRow]
     features: torch.Tensor  # (N, S, C) the run's encoder output, padding rows too
     # The decode's cross K/V per layer, when the engine aligns and no row was refilled
@@ -88,7 +119,7 @@ class Decoded:
     run: int  # which of its engine's runs made it
     width: int  # the rows decoded at once (the alignment pass takes as many)
     # Row r's encoder output is features[at[r]] (a refilled run keeps the order in which
-    # its rows entered the batch); None: features[r].
+    # its rows entered the batch; a retry shares its window's); None: features[r].
     at: tuple[int, ...] | None = None
 
     def kept(self, row: int) -> torch.Tensor:
@@ -125,20 +156,41 @@ class EngineCounters:
 
 @dataclass
 class _Run:
-    """A run beyond its batch: every row, and the rows that wait for a place in it."""
+    """A run beyond its batch: every row (the caller's, then padding, then retries), the
+    rows that wait for a place in it, and the results of the rows that finished."""
 
-    rows: Sequence[WindowInput]
-    features: torch.Tensor  # (N, S, C) every row's encoder output
+    rows: list[WindowInput]
+    features: torch.Tensor  # (N, S, C) the caller's and the padding rows' encoder output
+    feature_of: list[int]  # per run row: its row of `features`
     languages: list[str | None]
     maps: bool  # the rules read the rows' speech maps
     sample: bool  # some row draws (the step's static argument)
-    no_speech: list[float]  # per run row (padding rows after the real ones)
+    no_speech: list[float]  # per run row
+    real: int  # the caller's rows: run rows 0..real-1
+    padding: int  # then this many padding rows (never reported, never retried)
+    on_finish: OnFinish | None = None
     pending: deque[int] = field(default_factory=deque)  # rows that wait, in order
     refilled: bool = False  # some row was refilled: rows are out of step
-    # During the loop: each batch row's run row (padding rows after the real ones), and
-    # the step before its first token (at step i its index is i - start).
+    results: dict[int, DecodedRow] = field(default_factory=dict)  # run row -> its result
+    # During the loop: each batch row's run row (device, and its host copy), the batch
+    # rows whose row has finished and been read into `results`, and the step before each
+    # batch row's first token (at step i its index is i - start).
     slots: torch.Tensor | None = None
+    slot_rows: list[int] = field(default_factory=list)
+    idle: int = 0
     starts: list[int] = field(default_factory=list)
+
+    def result_index(self, row: int) -> int:
+        """A run row's index among the run's results (padding rows have none)."""
+        return row if row < self.real else row - self.padding
+
+    def run_row(self, result: int) -> int:
+        """The run row of a result index."""
+        return result if result < self.real else result + self.padding
+
+    def output(self) -> list[int]:
+        """The run rows that are results, in order: the caller's, then the retries."""
+        return [*range(self.real), *range(self.real + self.padding, len(self.rows))]
 
 
 def _speech_amount(row: WindowInput) -> int:
@@ -216,8 +268,9 @@ class Engine:
         on_rows: Callable[[RowPositions], None] | None = None,
         probe: Probe | None = None,
         slots: int | None = None,
+        on_finish: OnFinish | None = None,
     ) -> Decoded:
-        """Decode a run of windows; results in row order.
+        """Decode a run of windows; results in row order, then any retries.
 
         pick_languages: on a multilingual model, rows without a language need the
         language pass, and it decides their languages from its probabilities.
@@ -228,20 +281,28 @@ class Engine:
         probe: teacher forcing and logit capture (see decoding.Probe).
         slots: the rows decoded at once; the run's rows past them wait and refill rows
         that finish (None: every row at once).
+        on_finish: told of each row as it finishes, by its index in the results (the
+        caller's row r is r; the k-th retry is len(rows) + k); the retries it returns
+        wait for a place in the batch ahead of the rows past `slots`, in order, and are
+        told of in turn (the k-th retry asked for is row len(rows) + k).
         """
         n = len(rows)
         width = n if slots is None else min(n, slots)
-        if width == n:
-            return self._run(rows, pick_languages, pad_to, on_rows, probe, width)
-        if probe is not None:
+        if probe is not None and (width < n or on_finish is not None):
             raise ValueError("a probed decode runs every row to the end: no refills")
+        if width == n:
+            return self._run(rows, pick_languages, pad_to, on_rows, probe, width, on_finish)
         # Longest first (most speech: most tokens), so that short rows fill in at the end
         # rather than a long one starting late and stepping alone; the results, encoder
-        # output, language picker and progress keep the caller's order.
+        # output, language picker and progress keep the caller's order (retries keep the
+        # order they were asked in, after the caller's rows).
         order = sorted(range(n), key=lambda r: -_speech_amount(rows[r]))
         inverse = [0] * n
         for j, r in enumerate(order):
             inverse[r] = j
+
+        def caller(j: int) -> int:
+            return order[j] if j < n else j
 
         def pick(codes: list[str], probs: np.ndarray) -> list[str]:
             chosen = pick_languages(codes, probs[inverse])
@@ -250,6 +311,11 @@ class Engine:
         def report(positions: RowPositions) -> None:
             on_rows({order[j]: p for j, p in positions.items()})
 
+        def finish(j: int, row: DecodedRow, spare: int) -> Reply:
+            reply = on_finish(caller(j), row, spare)
+            own = [(inverse[r] if r < n else r, retry) for r, retry in reply.retries]
+            return Reply(own, [inverse[r] if r < n else r for r in reply.stop])
+
         decoded = self._run(
             [rows[r] for r in order],
             pick if pick_languages is not None else None,
@@ -257,14 +323,16 @@ class Engine:
             report if on_rows is not None else None,
             None,
             width,
+            finish if on_finish is not None else None,
         )
+        at = decoded.at if decoded.at is not None else range(len(decoded.rows))
         return Decoded(
-            [decoded.rows[j] for j in inverse],
+            [decoded.rows[j] for j in inverse] + decoded.rows[n:],
             decoded.features,
             None,  # rows were refilled (see _run)
             decoded.run,
             decoded.width,
-            tuple(inverse),
+            tuple(at[j] for j in inverse) + tuple(at[n:]),
         )
 
     def _run(
@@ -275,42 +343,52 @@ class Engine:
         on_rows: Callable[[RowPositions], None] | None,
         probe: Probe | None,
         width: int,
+        on_finish: OnFinish | None,
     ) -> Decoded:
         """Engine.run with the rows in the order they enter the batch: the first `width`
-        at once, the rest as rows finish."""
+        at once, the rest (and any retries) as rows finish."""
         self._runs += 1
         n = len(rows)
         # A compiled batch is padded to its fixed shape; rows that wait fill it instead.
         b = max(width, pad_to) if self.compile and width == n else width
-        features = self._encode(rows, b - width, b)
+        pad = b - width
+        features = self._encode(rows, pad, b)
         started = self._start()
         caches = self._caches(features[:b])
         languages = self._languages(rows, features, caches, pick_languages)
-        padded = [*rows[:width], *[WindowInput(np.zeros(0, np.float32))] * (b - width)]
+        silence = WindowInput(np.zeros(0, np.float32))
+        padded = [*rows[:width], *[silence] * pad]
         maps = self.options.timestamps and rows[0].speech is not None
         state = self._start_state(padded, maps, probe)
         # Whether any row draws: the step's static argument (the greedy graph has no draw).
         sample = any(r.temperature > 0 for r in rows)
         no_speech = self._prefill(
-            state, caches, [*languages[:width], *[languages[0]] * (b - width)], sample
+            state, caches, [*languages[:width], *[languages[0]] * pad], sample
         )
-        no_speech = [*no_speech[:width], *[0.0] * (n - width), *no_speech[width:]]
-        run = _Run(rows, features, languages, maps, sample, no_speech, deque(range(width, n)))
-        final = self._loop(state, caches, run, on_rows, guard=probe is None)
-        results = decoding.decoded_rows(
-            final,
-            self.special.eot,
-            run.no_speech[:n],
-            languages,
-            [r.temperature for r in rows],
+        run = _Run(
+            rows=[*rows, *[silence] * pad],
+            features=features,
+            feature_of=list(range(n + pad)),
+            languages=[*languages, *[languages[0]] * pad],
+            maps=maps,
+            sample=sample,
+            no_speech=[*no_speech[:width], *[0.0] * (n - width), *no_speech[width:]],
+            real=n,
+            padding=pad,
+            on_finish=on_finish,
+            pending=deque(range(width, n)),
         )
+        self._loop(state, caches, run, on_rows, guard=probe is None)
+        out = run.output()
+        results = [run.results[j] for j in out]
         self.counters.tokens += sum(len(r.tokens) for r in results)
         self.counters.decodes += 1
-        self.counters.decoded_rows += n + b - width
+        self.counters.decoded_rows += len(run.rows)
         self.counters.decode_s += self._stop(started)
         keep_cross = self.aligner is not None and not run.refilled
         cross = caches.cross_kv() if keep_cross else None
-        return Decoded(results, features, cross, self._runs, b)
+        at = tuple(run.feature_of[j] for j in out) if len(out) > n else None
+        return Decoded(results, features, cross, self._runs, b, at)
 
     @torch.inference_mode()
     def align(self, decoded: Decoded, texts: Sequence[AlignRow]) -> list[WindowWords]:
@@ -328,7 +406,7 @@ class Engine:
             n = len(decoded.features)
             order = list(range(n))
             if decoded.at is not None:
-                for r, j in enumerate(decoded.at):
+                for r, j in enumerate(decoded.at[: len(texts)]):
                     order[j] = r
             found: dict[int, WindowWords] = {}
             for at in range(0, n, decoded.width):
@@ -482,49 +560,101 @@ class Engine:
         run: _Run,
         on_rows: Callable[[RowPositions], None] | None,
         guard: bool,
-    ) -> DecodeState:
-        """Step until every row has finished (or max_new tokens) and no row waits; returns
-        the whole run's state (the eager path steps over fewer rows as they finish, rows
-        that wait take the places of rows that finish).
+    ) -> None:
+        """Step until every row has finished (or max_new tokens) and no row waits, each
+        row's result read into run.results as it finishes (the eager path steps over
+        fewer rows as they finish, rows that wait take the places of rows that finish).
 
         guard: run the repetition guard (a probed decode steps every row to the end)."""
         if self.compile:
             state = self._static_state(state, caches)
         b, n = caches.rows, len(run.rows)
         width = n - len(run.pending)
-        # The whole run's tokens and results; the batch's own state while no row waits.
-        final = state if not run.pending else self._results(n + b - width)
-        slots = [*range(width), *range(n, n + b - width)]
-        run.slots = torch.tensor(slots, device=self.model.device)
+        run.slot_rows = [*range(width), *range(n, n + b - width)]
+        run.slots = torch.tensor(run.slot_rows, device=self.model.device)
         run.starts = [0] * b
         # Dynamo's counters only where it runs (importing it costs an eager run time).
         graphs_before = _dynamo_counts() if self.compile else None
         next_report = time.perf_counter() if on_rows is not None else None
         every = self.options.policy.loop_check_every
         i = 1  # the step: the oldest row has sampled i tokens
-        while run.pending or i < max(run.starts) + self.max_new:
+        while True:
+            # Every row has sampled max_new tokens (and so finished, unless probed).
+            spent = i >= max(run.starts) + self.max_new
+            if spent and run.on_finish is None and not run.pending:
+                break
             # The guard judges each row at multiples of `every` of its own tokens.
             if guard and any((i - s) % every == 0 for s in set(run.starts)):
                 decoding.stop_loops(state, self.options.policy, self.special.timestamp_begin)
-            if i % self.sync_every == 0:
+            if i % self.sync_every == 0 or spent:
                 if next_report is not None and time.perf_counter() >= next_report:
-                    n_active = self._report_rows(state, run.slots, n, on_rows)
+                    n_active = self._report_rows(state, run.slots, run.real, on_rows)
                     next_report = time.perf_counter() + PROGRESS_SECONDS
                 else:
                     n_active = int((~state.finished).sum())
+                if n_active < len(run.slot_rows) - run.idle:
+                    n_active = self._finished(state, run)  # may queue retries, stop rows
                 if n_active == 0 and not run.pending:
                     break
-                if run.pending and n_active < len(run.slots):
-                    self._refill(state, caches, run, final, i)
-                elif not run.pending and self.shrink and n_active <= 0.75 * len(run.slots):
-                    state, caches = self._drop_finished(state, caches, run, final)
+                if run.pending and n_active < len(run.slot_rows):
+                    self._refill(state, caches, run, i)
+                elif not run.pending and self.shrink and n_active <= 0.75 * len(run.slot_rows):
+                    state, caches = self._drop_finished(state, caches, run)
             self._step(state, caches, run, i)
             i += 1
-        if state is not final:
-            state.store(final, run.slots)
+        self._finished(state, run, every=True)
         if graphs_before is not None:
             self._count_graphs(graphs_before)
-        return final
+
+    def _finished(self, state: DecodeState, run: _Run, every: bool = False) -> int:
+        """Read the rows that finished since the last call into run.results, and tell
+        run.on_finish of each: the retries it asks for are queued first, and the rows it
+        stops are finished where they are and read in turn. Returns the rows still active.
+
+        every: the loop has ended; read every row not read yet, finished or not (a
+        probed decode never finishes a row)."""
+        while True:
+            finished = state.finished.tolist()
+            slots = [
+                s
+                for s, (row, done) in enumerate(zip(run.slot_rows, finished, strict=True))
+                if (done or every) and row not in run.results
+            ]
+            if not slots:
+                return finished.count(False)
+            rows = [run.slot_rows[s] for s in slots]
+            decoded = decoding.decoded_rows(
+                state,
+                slots,
+                self.special.eot,
+                [run.no_speech[j] for j in rows],
+                [run.languages[j] for j in rows],
+                [run.rows[j].temperature for j in rows],
+            )
+            run.idle += len(slots)
+            live = finished.count(False)
+            for j, result in zip(rows, decoded, strict=True):
+                run.results[j] = result
+                if run.on_finish is not None and not run.real <= j < run.real + run.padding:
+                    spare = max(len(run.slot_rows) - live - len(run.pending), 0)
+                    self._reply(state, run, run.on_finish(run.result_index(j), result, spare))
+
+    def _reply(self, state: DecodeState, run: _Run, reply: Reply) -> None:
+        """Queue the retries asked for first (in order), and stop the rows named."""
+        new = range(len(run.rows), len(run.rows) + len(reply.retries))
+        for of, retry in reply.retries:
+            k = run.run_row(of)
+            again = replace(run.rows[k], temperature=retry.temperature, seed=retry.seed)
+            run.rows.append(again)
+            run.feature_of.append(run.feature_of[k])
+            run.languages.append(run.languages[k])
+            run.no_speech.append(0.0)  # its own prefill's, once it has a place
+            run.sample |= again.temperature > 0
+        run.pending.extendleft(reversed(new))  # first: their windows have waited longest
+        stop = {run.run_row(r) for r in reply.stop}
+        slots = [s for s, j in enumerate(run.slot_rows) if j in stop and j not in run.results]
+        if slots:
+            state.finished[torch.tensor(slots, device=state.finished.device)] = True
 
     def _step(self, state: DecodeState, caches: DecodeCaches, run: _Run, i: int) -> None:
         """Step i of the loop over the batch: the compiled step, or the eager one over the
@@ -536,19 +666,17 @@ class Engine:
             in_step = not run.refilled
             decoding.step(self.model, self.rules, state, caches, extent, run.sample, in_step)
         self.counters.steps += 1
-        self.counters.row_steps += len(run.slots)
+        self.counters.row_steps += len(run.slot_rows)
 
     def _drop_finished(
-        self, state: DecodeState, caches: DecodeCaches, run: _Run, final: DecodeState
+        self, state: DecodeState, caches: DecodeCaches, run: _Run
     ) -> tuple[DecodeState, DecodeCaches]:
-        """The eager batch without its finished rows (their results kept in `final`).
+        """The eager batch without its finished rows (their results read already).
 
         With no alignment pass to come the caches are this run's alone: the live rows past
         the new width move into the places of finished rows before it, in place. With one,
         the kept rows are selected into new caches: the pass reads the decode's cross K/V."""
         live = ~state.finished
-        if state is not final:
-            state.store(final, run.slots)
         if self.aligner is None:
             n = int(live.sum())
             holes = (~live[:n]).nonzero()[:, 0]  # finished rows before n
@@ -558,21 +686,22 @@ class Engine:
         else:
             keep = live.nonzero()[:, 0]
             caches = caches.select(keep)
-        run.starts = [run.starts[k] for k in keep.tolist()]
+        kept = keep.tolist()
+        run.starts = [run.starts[k] for k in kept]
+        run.slot_rows = [run.slot_rows[k] for k in kept]
         run.slots = run.slots[keep]
+        run.idle = 0
         return state.select(keep), caches
 
-    def _refill(
-        self, state: DecodeState, caches: DecodeCaches, run: _Run, final: DecodeState, i: int
-    ) -> None:
-        """At step i, refill finished batch rows with the rows that wait, in order: the
-        finished rows' results to `final`, then each new row's cross K/V, prompt and first
-        token (its own prefill) written in place of the old row's."""
+    def _refill(self, state: DecodeState, caches: DecodeCaches, run: _Run, i: int) -> None:
+        """At step i, refill finished batch rows (their results read already) with the
+        rows that wait, in order: each new row's cross K/V, prompt and first token (its
+        own prefill) written in place of the old row's."""
         slots = state.finished.nonzero()[:, 0][: len(run.pending)]
-        state.store(final, run.slots[slots], at=slots)
         new = [run.pending.popleft() for _ in range(len(slots))]
         fresh = [run.rows[j] for j in new]
-        own = self.model.decoder.new_caches(run.features[new], self.prompt_length)
+        features = run.features[[run.feature_of[j] for j in new]]
+        own = self.model.decoder.new_caches(features, self.prompt_length)
         prompted = self._start_state(fresh, run.maps)
         languages = [run.languages[j] for j in new]
         for j, p in zip(new, self._prefill(prompted, own, languages, run.sample), strict=True):
@@ -586,23 +715,12 @@ class Engine:
             big.v.index_copy_(0, slots, small.v)
         state.put(slots, prompted)
         run.slots[slots] = torch.tensor(new, device=run.slots.device)
-        for slot in slots.tolist():
+        for slot, j in zip(slots.tolist(), new, strict=True):
             run.starts[slot] = i - 1  # its first token came from its prefill
+            run.slot_rows[slot] = j
+        run.idle -= len(new)
         run.refilled = True
         self.counters.refills += len(new)
-
-    def _results(self, n: int) -> DecodeState:
-        """A state of n rows that holds a run's tokens and results (DecodeState.store)."""
-        zeros = [0] * n
-        return DecodeState.start(
-            self.max_new,
-            self.prompt_length,
-            [0.0] * n,
-            zeros,
-            self.special.eot,
-            self.model.dtype,
-            self.model.device,
-        )
 
     def _report_rows(
         self, state: DecodeState, rows: torch.Tensor, n: int, on_rows: Callable
