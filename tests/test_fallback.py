@@ -170,6 +170,27 @@ def test_fallback_leaves_its_neighbours_alone_and_draws_whatever_the_batch(
         same_segments(one_by_one[path].segments, result.segments)
 
 
+def test_with_refill_a_window_falls_back_in_the_run_where_it_failed(
+    sixteen, alone, tiny_en, transcriber
+) -> None:
+    """Continuous batching: the German window's later attempts are decoded in the run
+    where it failed (no second batch), in rows that finished; each attempt once, in
+    order, and every input's transcript the one batches give."""
+    t = transcriber(tiny_en, refill=True)
+    refilled, rows = run(t, sixteen)
+    fallbacks, retries = t.counters.fallbacks, len(rows) - 16
+    assert fallbacks >= 1 and retries >= fallbacks
+    assert t.counters.batches == 1 and t.engine.counters.decodes == 1
+    assert t.engine.counters.encoded_rows == 16  # every window encoded once
+    assert t.engine.counters.refills == retries
+    temperatures = Policy().temperatures
+    assert [r.temperature for r in rows[16:]] == list(temperatures[1 : 1 + retries])
+    same_segments(refilled[sixteen[FAILING]].segments, alone[0].segments)
+    batched, _ = run(transcriber(tiny_en), sixteen)
+    for path, result in batched.items():
+        same_segments(refilled[path].segments, result.segments)
+
+
 def test_later_attempts_fill_spare_rows_round_robin() -> None:
     """Each retry's next temperature first, then the one after; never past the spare
     rows, the last temperature, or onto rows decoded for the first time."""
@@ -237,3 +258,45 @@ def test_a_rows_uniform_depends_on_its_seed_and_step_alone() -> None:
     assert not torch.equal(uniform(seeds, torch.tensor(8)), u)  # a new step, new draws
     many = uniform(torch.arange(100_000), torch.tensor(0))
     assert abs(many.mean().item() - 0.5) < 0.005 and len(many.unique()) > 99_000
+
+
+def test_a_refilled_run_judges_attempts_in_order_and_stops_those_not_needed() -> None:
+    """In the last refilled run (Transcriber._retry, told of rows as they finish): a
+    window that falls back asks for its next attempt, spare rows take its later ones
+    (never past the last temperature), an attempt that finishes before the one ahead of
+    it waits to be judged in order, and the attempt kept stops the ones still running."""
+    from whisper_cli.engine import Reply
+    from whisper_cli.judge import Judgement
+    from whisper_cli.pipeline import Transcriber, _InRun
+    from whisper_cli.windows import Window
+
+    t = Transcriber.__new__(Transcriber)
+    t.policy, t.counters = Policy(), Counters()  # temperatures 0.0 .. 1.0: attempts 0..5
+    passes = {2}  # the attempt the judge keeps (the other window passes at once)
+    judged = []
+
+    def judge(job, row):
+        job.attempts.append(row)
+        judged.append(len(job.attempts) - 1)
+        return Judgement(final=job is other or len(job.attempts) - 1 in passes, row=row)
+
+    t._judge = judge
+    audio = np.zeros(SAMPLE_RATE, dtype=np.float32)
+    window = Window(0, 0, 0, audio, np.zeros(32, dtype=bool))
+    job, other = Job(window), Job(window)
+    run = _InRun.of([job, other])
+    row = DecodedRow((), -2.0, (), 0.0, "en")
+
+    first = t._retry(run, 0, row, spare=0)  # fails: its next attempt, no spare row
+    assert [(r, x.temperature) for r, x in first.retries] == [(0, 0.2)] and not first.stop
+    ahead = t._retry(run, 1, row, spare=3)  # the other window passes; 3 rows spare
+    assert [(r, x.temperature) for r, x in ahead.retries] == [(0, 0.4), (0, 0.6), (0, 0.8)]
+    assert t.counters.ahead == 3 and run.attempts == [0, 0, 1, 2, 3, 4]
+    assert t._retry(run, 3, row, spare=0) == Reply([], [])  # attempt 2 first: waits
+    kept = t._retry(run, 2, row, spare=0)  # attempt 1 fails, attempt 2 (waiting) passes
+    assert judged == [0, 0, 1, 2] and not kept.retries and sorted(kept.stop) == [4, 5]
+    assert run.verdicts[id(job)].row is row and t.counters.fallbacks == 2
+    assert t._retry(run, 5, row, spare=4) == Reply([], [])  # stopped: not judged
+    assert judged == [0, 0, 1, 2]
+    seeds = {x.seed for _, x in first.retries + ahead.retries}
+    assert len(seeds) == 4  # each attempt its own draw

@@ -631,21 +631,26 @@ def test_out_of_memory_retries_with_a_smaller_batch(tiny_en, monkeypatch, refill
     with refills, the rows decoded at once are halved (the run's windows with them)."""
     import torch
 
+    from whisper_cli.decoding import DecodedRow
     from whisper_cli.pipeline import TranscribeOptions, Transcriber
 
     paths = [str(shared_clip("jfk.flac")), str(shared_clip("stereo_diarization.wav"))] * 2
     expected = {}
-    Transcriber(tiny_en, TranscribeOptions(batch_size=4)).run(
-        paths, lambda t: expected.setdefault(t.path, t.text), pytest.fail
-    )
+    reference = Transcriber(tiny_en, TranscribeOptions(batch_size=4))
+    reference.run(paths, lambda t: expected.setdefault(t.path, t.text), pytest.fail)
     transcriber = Transcriber(tiny_en, TranscribeOptions(batch_size=4, refill=refill))
     real_run = transcriber.engine.run
     sizes = []
+    looped = DecodedRow((), -5.0, (), 0.0, "en", looped=True)
 
     def run(rows, *args, **kwargs):
         width = min(len(rows), kwargs.get("slots") or len(rows))  # rows decoded at once
         sizes.append(width)
         if width > 1:
+            # Refilled, rows are judged as they finish: one judged (and retried) before
+            # memory runs out is judged anew when the batch is decoded again.
+            if kwargs.get("on_finish") is not None:
+                assert kwargs["on_finish"](0, looped, 0)  # its next attempt
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_run(rows, *args, **kwargs)
 
@@ -656,5 +661,6 @@ def test_out_of_memory_retries_with_a_smaller_batch(tiny_en, monkeypatch, refill
     ):
         transcriber.run(paths, lambda t: got.setdefault(t.path, t.text), pytest.fail)
     assert got == expected
+    assert transcriber.counters.fallbacks == reference.counters.fallbacks
     # Refilled, the one run at one row takes all four windows; else a batch of one each.
     assert sizes[:3] == [4, 2, 1] and set(sizes[3:]) == (set() if refill else {1})

@@ -26,7 +26,7 @@ import torch
 from whisper_cli.audio import AudioSource, open_audio
 from whisper_cli.decoding import DecodedRow, DecodeOptions, LanguageGuess
 from whisper_cli.dtypes import dtype_name
-from whisper_cli.engine import Decoded, Engine, WindowInput
+from whisper_cli.engine import Decoded, Engine, Reply, Retry, WindowInput
 from whisper_cli.errors import InputError, WhisperCliError
 from whisper_cli.judge import Judgement, judge
 from whisper_cli.loading import LoadedModel
@@ -39,7 +39,16 @@ from whisper_cli.options import (
 )
 from whisper_cli.progress import FINDING_SPEECH, Progress, Reporter
 from whisper_cli.results import Segment, Transcript, TranscriptWarning
-from whisper_cli.scheduler import Counters, Failed, Finished, Job, Scheduler, Settled, Track
+from whisper_cli.scheduler import (
+    Counters,
+    Failed,
+    Finished,
+    Job,
+    Scheduler,
+    Settled,
+    Track,
+    later_attempts,
+)
 from whisper_cli.segments import attach_words
 from whisper_cli.speech import load_detector
 from whisper_cli.timing import AlignRow
@@ -64,6 +73,37 @@ class _Result:
     hit_max_tokens: int = 0  # windows that used all of max_new_tokens without ending
     looped: int = 0  # windows that looped at every temperature (cut by the guard)
     too_repetitive: int = 0  # segments dropped above compression_ratio_threshold
+
+
+@dataclass
+class _InRun:
+    """A refilled run's judging as its rows finish: the job and attempt of each of its
+    rows (the batch's, then the retries as they are asked for), each window's attempts
+    that finished before the one ahead of them was judged, and the verdicts (by job)."""
+
+    jobs: list[Job]
+    attempts: list[int]
+    early: dict[int, dict[int, DecodedRow]] = field(default_factory=dict)  # attempt -> row
+    # The windows that fell back, in order: their job and batch row, their last attempt
+    # asked for, and the rows of their attempts asked for that have not finished.
+    retried: dict[int, tuple[Job, int]] = field(default_factory=dict)
+    queued: dict[int, int] = field(default_factory=dict)
+    running: dict[int, set[int]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, batch: list[Job]) -> _InRun:
+        """A batch's rows, an attempt decoded ahead (Scheduler._ahead) as its window's."""
+        run = cls([j.ahead_of or j for j in batch], [j.attempt for j in batch])
+        for r, job in enumerate(batch):
+            owner = job.ahead_of
+            if owner is not None:
+                key = id(owner)
+                run.retried.setdefault(key, (owner, batch.index(owner)))
+                run.queued[key] = max(run.queued.get(key, 0), job.attempt)
+                run.running.setdefault(key, set()).add(r)
+        return run
+
+    verdicts: dict[int, Judgement] = field(default_factory=dict)
 
 
 def validate_options(loaded: LoadedModel, options: TranscribeOptions) -> None:
@@ -172,7 +212,7 @@ class Transcriber:
         reporter.enter(FINDING_SPEECH)
         for batch in scheduler.batches():
             report()  # inputs with no speech, or unreadable, met while the batch was filled
-            scheduler.settle(batch, self._decode_batch(batch))
+            scheduler.settle(batch, self._decode_batch(batch, scheduler.exhausted))
             report()
             reporter.settled()
         report()
@@ -218,7 +258,7 @@ class Transcriber:
             latency=latency,
         )
 
-    def _decode_batch(self, batch: list[Job]) -> list[Job]:
+    def _decode_batch(self, batch: list[Job], last: bool = True) -> list[Job]:
         """Decode a batch in runs of self.per_run batches of self.rows; out of memory halves
         self.rows and retries.
 
@@ -232,7 +272,7 @@ class Transcriber:
         while done < len(batch):
             chunk = batch[done : done + self.rows * self.per_run]
             try:
-                again += self._decode_rows(chunk, done)
+                again += self._decode_rows(chunk, done, last)
             except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError in newer torch
                 if self.rows == 1:
                     raise WhisperCliError("out of memory with a batch of one window") from None
@@ -249,35 +289,56 @@ class Transcriber:
             done += len(chunk)
         return again
 
-    def _decode_rows(self, batch: list[Job], offset: int = 0) -> list[Job]:
+    def _decode_rows(self, batch: list[Job], offset: int = 0, last: bool = True) -> list[Job]:
         """Decode a batch of jobs and judge each row; returns the jobs to decode again.
+
+        Refilled, in the last run (`last`: no window is left to cut), each row is judged
+        as it finishes and a window that falls back is decoded again in the same run
+        (nothing is returned): no run of retries follows it. Otherwise a window's next
+        attempt leads the next batch, one row among new windows, or was decoded ahead in
+        this one's spare rows.
 
         offset: where these rows lie in the scheduler's batch (for progress)."""
         reporter = self._reporter
         reporter.encoding()
         self.counters.batches += 1
         watch = None if reporter.on_progress is None else partial(reporter.rows, offset)
-        decoded = self.engine.run(
-            [self._window_input(j) for j in batch],
-            partial(self._pick_languages, batch),
-            pad_to=self.rows,
-            slots=self.rows,
-            on_rows=watch,
-        )
-        for job, row in zip(batch, decoded.rows, strict=True):
+        in_run = _InRun.of(batch) if self.per_run > 1 and last else None
+        c = self.counters
+        before = [(job.attempt, len(job.attempts)) for job in batch], c.fallbacks, c.ahead
+        try:
+            decoded = self.engine.run(
+                [self._window_input(j) for j in batch],
+                partial(self._pick_languages, batch),
+                pad_to=self.rows,
+                slots=self.rows,
+                on_rows=watch,
+                on_finish=None if in_run is None else partial(self._retry, in_run),
+            )
+        except torch.cuda.OutOfMemoryError:  # the batch is decoded again: judged anew
+            for job, (attempt, judged) in zip(batch, before[0], strict=True):
+                job.attempt = attempt
+                del job.attempts[judged:]
+            c.fallbacks, c.ahead = before[1:]
+            raise
+        rows = decoded.rows[: len(batch)]  # the retries after them were judged in the run
+        for job, row in zip(batch, rows, strict=True):
             job.language = row.language
         # Attempts decoded ahead: (their job, attempt) -> row.
         ahead = {
             (id(j.ahead_of), j.attempt): row
-            for j, row in zip(batch, decoded.rows, strict=True)
+            for j, row in zip(batch, rows, strict=True)
             if j.ahead_of is not None
         }
         again: list[Job] = []
         final: list[tuple[int, Job, Judgement]] = []
-        for r, (job, row) in enumerate(zip(batch, decoded.rows, strict=True)):
+        for r, (job, row) in enumerate(zip(batch, rows, strict=True)):
             if job.ahead_of is not None:
                 continue  # read through its job below
-            verdict = self._verdict(job, row, ahead)
+            if in_run is not None:
+                verdict = in_run.verdicts[id(job)]
+            else:
+                verdict = self._verdict(job, row, ahead)
             if not verdict.final:  # its next attempt was not decoded ahead: queued again
                 job.features = decoded.kept(r)
                 again.append(job)
@@ -298,6 +359,49 @@ class Transcriber:
             seed=self._seed(job),
             speech=w.speech,
         )
+
+    def _retry(self, run: _InRun, r: int, row: DecodedRow, spare: int) -> Reply:
+        """Row r of a refilled run, judged as it finishes (engine.OnFinish). A window's
+        attempts are judged in order, each once the one before it has fallen back; one
+        that falls back asks for its next attempt, and one kept stops its later attempts
+        decoded ahead. Rows that nothing waits for (`spare`) take later attempts of the
+        windows still falling back, round robin, their next first (as Scheduler._ahead
+        fills a batch's spare rows)."""
+        job, key = run.jobs[r], id(run.jobs[r])
+        run.running.get(key, set()).discard(r)
+        asked: list[tuple[Job, int]] = []
+        stop: list[int] = []
+        if key not in run.verdicts:  # else decoded ahead, not needed: an earlier one kept
+            early = run.early.setdefault(key, {})
+            early[run.attempts[r]] = row
+            while job.attempt in early:
+                verdict = self._judge(job, early.pop(job.attempt))
+                if verdict.final:
+                    run.verdicts[key] = verdict
+                    stop = sorted(run.running.pop(key, ()))
+                    break
+                job.attempt += 1
+                self.counters.fallbacks += 1
+            else:
+                run.retried.setdefault(key, (job, r))
+                if job.attempt > run.queued.get(key, 0):  # not decoded ahead already
+                    asked.append((job, job.attempt))
+                    run.queued[key] = job.attempt
+        falling = [(j, run.queued[k]) for k, (j, _) in run.retried.items() if k not in run.verdicts]
+        for j, attempt in later_attempts(
+            falling, len(self.policy.temperatures), spare - len(asked)
+        ):
+            asked.append((j, attempt))
+            run.queued[id(j)] = max(run.queued[id(j)], attempt)
+            self.counters.ahead += 1
+        retries = []
+        for j, attempt in asked:
+            run.running.setdefault(id(j), set()).add(len(run.jobs))
+            run.jobs.append(j)
+            run.attempts.append(attempt)
+            temperature = self.policy.temperatures[attempt]
+            retries.append((run.retried[id(j)][1], Retry(temperature, self._seed(j, attempt))))
+        return Reply(retries, stop)
 
     def _verdict(
         self, job: Job, row: DecodedRow, ahead: dict[tuple[int, int], DecodedRow]
@@ -355,11 +459,13 @@ class Transcriber:
             words = attach_words(list(verdict.segments), aligned[r], job.window.start, last_speech)
             result.pending[job.window.index] = tuple(words)
 
-    def _seed(self, job: Job) -> int:
+    def _seed(self, job: Job, attempt: int | None = None) -> int:
         """A window's sampling seed: from the policy's seed, where the window lies in its
-        input and the attempt, so it does not depend on the batch or the other inputs."""
+        input and the attempt (the job's own by default), so it does not depend on the
+        batch or the other inputs."""
         w = job.window
-        return (self.policy.seed * 1_000_003 + w.first_sample * 31 + job.attempt) % (2**63)
+        attempt = job.attempt if attempt is None else attempt
+        return (self.policy.seed * 1_000_003 + w.first_sample * 31 + attempt) % (2**63)
 
     def _language_of(self, job: Job) -> str | None:
         """A job's language if it is known before the batch: given, its window's (a

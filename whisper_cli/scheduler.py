@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -37,6 +38,7 @@ from whisper_cli.windows import Window, WindowCutter
 # each arrives (a live pipe delivers audio in real time).
 LIVE_BLOCK_SECONDS = 0.5
 _END = object()  # _windows: no window is left
+T = TypeVar("T")
 
 
 @dataclass
@@ -107,6 +109,19 @@ class Failed:
     error: InputError
 
 
+def later_attempts(
+    windows: list[tuple[T, int]], temperatures: int, spare: int
+) -> list[tuple[T, int]]:
+    """Attempts decoded ahead in `spare` rows: for each (window, its latest attempt),
+    round robin, each window's next attempt first, then the one after, none past the
+    last temperature."""
+    # Round r holds each window's (r + 1)-th attempt after its latest, where it has one.
+    rounds = [
+        (w, a + r) for r in range(1, temperatures) for w, a in windows if a + r < temperatures
+    ]
+    return rounds[: max(spare, 0)]
+
+
 class Scheduler:
     """Batches of jobs over `sources`, in order (see the module doc)."""
 
@@ -136,6 +151,9 @@ class Scheduler:
         self.retries: deque[Job] = deque()
         self._events: list[Settled | Finished | Failed] = []
         self._reading: WindowCutter | None = None  # the cutter of the input being read
+        # No window is left to cut: the batches from now on hold only retries (and the
+        # last windows, in the batch where this turned true).
+        self.exhausted = False
 
     def events(self) -> list[Settled | Finished | Failed]:
         """The events since the last call, in the order they happened."""
@@ -146,20 +164,19 @@ class Scheduler:
         """Batches of up to batch_size jobs: attempts queued again first, then new windows;
         with no new window left, later attempts of its retries in the spare rows."""
         windows = self._windows()
-        exhausted = False
         while True:
             batch: list[Job] = []
             while self.retries and len(batch) < self.batch_size:
                 batch.append(self.retries.popleft())
-            while not exhausted and len(batch) < self.batch_size and not self._due(batch):
+            while not self.exhausted and len(batch) < self.batch_size and not self._due(batch):
                 window = next(windows)
                 if window is _END:
-                    exhausted = True
+                    self.exhausted = True
                 elif window is not None:  # None: a block arrived, with no window yet
                     batch.append(Job(window))
             if not batch:
                 return
-            if exhausted:
+            if self.exhausted:
                 batch += self._ahead(batch, self.rows() - len(batch))
             yield batch
 
@@ -233,13 +250,10 @@ class Scheduler:
     def _ahead(self, batch: list[Job], spare: int) -> list[Job]:
         """Up to `spare` later attempts of the batch's retries, their next temperature
         first, round robin: rows that would otherwise decode nothing (or padding)."""
-        n = self.temperatures
-        retries = [j for j in batch if j.features is not None]
-        # Round r holds each retry's (r + 1)-th attempt after its own, where it has one.
-        rounds = [(j, j.attempt + r) for r in range(1, n) for j in retries if j.attempt + r < n]
+        retries = [(j, j.attempt) for j in batch if j.features is not None]
         extra = [
             Job(job.window, a, job.language, features=job.features, ahead_of=job)
-            for job, a in rounds[: max(spare, 0)]
+            for job, a in later_attempts(retries, self.temperatures, spare)
         ]
         self.counters.ahead += len(extra)
         return extra
