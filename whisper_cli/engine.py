@@ -282,9 +282,9 @@ class Engine:
         slots: the rows decoded at once; the run's rows past them wait and refill rows
         that finish (None: every row at once).
         on_finish: told of each row as it finishes, by its index in the results (the
-        caller's row r is r; the k-th retry is len(rows) + k); the retries it returns
-        wait for a place in the batch ahead of the rows past `slots`, in order, and are
-        told of in turn (the k-th retry asked for is row len(rows) + k).
+        caller's row r is r; the k-th retry asked for is len(rows) + k); the retries it
+        returns wait for a place in the batch ahead of the rows past `slots`, in order,
+        and are told of in turn (see Reply).
         """
         n = len(rows)
         width = n if slots is None else min(n, slots)

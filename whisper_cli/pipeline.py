@@ -89,6 +89,7 @@ class _InRun:
     retried: dict[int, tuple[Job, int]] = field(default_factory=dict)
     queued: dict[int, int] = field(default_factory=dict)
     running: dict[int, set[int]] = field(default_factory=dict)
+    verdicts: dict[int, Judgement] = field(default_factory=dict)
 
     @classmethod
     def of(cls, batch: list[Job]) -> _InRun:
@@ -102,8 +103,6 @@ class _InRun:
                 run.queued[key] = max(run.queued.get(key, 0), job.attempt)
                 run.running.setdefault(key, set()).add(r)
         return run
-
-    verdicts: dict[int, Judgement] = field(default_factory=dict)
 
 
 def validate_options(loaded: LoadedModel, options: TranscribeOptions) -> None:
