@@ -69,9 +69,8 @@ def attention_case(kernel: str, heads: int, dtype: torch.dtype):
     q = torch.randn(b, t, heads, HEAD_DIM).transpose(1, 2).to(dtype)  # split heads' view
     k = torch.randn(b, heads, s, HEAD_DIM).to(dtype)
     v = torch.randn(b, heads, s, HEAD_DIM).to(dtype)
-    impls = {n: (lambda f=kernels.ATTENTION[n]: f(q, k, v, None, False)) for n in kernels.ATTENTION}
-    if kernel == "encoder":  # plain matmul holds every f32 score: not a candidate there
-        impls = {n: f for n, f in impls.items() if not n.startswith("matmul")}
+    names = kernels.attention_candidates(kernels.attention_class(t), dtype)  # keys by rows
+    impls = {n: (lambda f=kernels.ATTENTION[n]: f(q, k, v, None, False)) for n in names}
     if kernel == "encoder":  # compute-bound: GFLOP/s
         rate = (4 * b * heads * t * s * HEAD_DIM, "GFLOP/s")
     else:  # one query: memory-bound, GB/s of keys and values read

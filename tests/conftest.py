@@ -19,8 +19,9 @@ from util import real_model
 # The kernels of the suite's models: torch's reference everywhere, but for half-precision
 # linear layers and convolutions their float32 upcast (as exact as a half GEMM accumulating
 # in float32, and fast on CPUs without native half GEMMs, where the reference takes
-# seconds per window).
-SUITE_KERNELS = "f32-upcast"
+# seconds per window), and for a bf16 decode step's attention the C kernel (where it
+# builds: kernels.attention_candidates), so that every bf16 test runs it.
+SUITE_KERNELS = "f32-upcast,fused"
 
 
 @pytest.fixture(scope="session", autouse=True)

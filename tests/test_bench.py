@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import SUITE_KERNELS
 from util import real_model, shared_clip
 
 from whisper_cli.audio import SAMPLE_RATE
@@ -277,12 +278,12 @@ def test_short_real_run_reports_every_field() -> None:
     # The kernel plan the model ran with: the suite's (see conftest.SUITE_KERNELS), made at
     # load for batches of 4, its choices named per shape class.
     kernels = result["kernels"]
-    assert kernels["mode"] == "f32-upcast" and kernels["dtype"] == "f32"
+    assert kernels["mode"] == SUITE_KERNELS and kernels["dtype"] == "f32"
     assert kernels["threads"] == 1 and kernels["timed_now"] == 0
     assert "attention/f32/decode/B4xH6xT1xS64xD64/none" in kernels["choices"]
     assert not any("/B8x" in name for name in kernels["choices"])  # batches of 4 at most
     assert set(kernels["choices"].values()) <= {"sdpa", "matmul", "linear", "conv"}
-    assert result["kernels_summary"].startswith("f32-upcast (cpu, f32, 1 threads")
+    assert result["kernels_summary"].startswith(f"{SUITE_KERNELS} (cpu, f32, 1 threads")
     assert report.results[0].words > 20  # 30 s of speech was transcribed
     assert "ask not what your country can do for you" in report.results[0].text.lower()
 

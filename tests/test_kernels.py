@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from whisper_cli import kernels
+from whisper_cli import kernels, native
+from whisper_cli.dtypes import DTYPE_NAMES as DTYPES
 from whisper_cli.model import Extent
 
 HALF = [torch.bfloat16, torch.float16]
@@ -113,7 +114,82 @@ def test_real_size_decode_cross_attention(dtype, keys):
     if keys == "transposed":
         k = k.mT.contiguous().mT
         assert k.stride(-2) == 1
-    check_attention(q, k, v, impls=kernels.attention_candidates("decode"))
+    keys_kind = "rows" if keys == "rows" else "transposed"
+    check_attention(q, k, v, impls=kernels.attention_candidates("decode", dtype, "none", keys_kind))
+
+
+def native_built() -> None:
+    """Where a C compiler exists the library must build (a test of "fused" that ran
+    blocked attention instead would prove nothing); without one, skip."""
+    if native.compiler() is None:
+        pytest.skip("no C compiler: the native kernels are not offered")
+    assert kernels._native() is not None, "the native kernels did not build (see debug log)"
+
+
+def test_fused_decode_attention_is_offered_for_bf16_decode_steps_only():
+    native_built()
+    assert "fused" in kernels.attention_candidates("decode", torch.bfloat16)
+    for args in [
+        ("decode", torch.float32),
+        ("decode", torch.float16),
+        ("decode", torch.bfloat16, "mask"),
+        ("decode", torch.bfloat16, "none", "transposed"),
+        ("prefill", torch.bfloat16),
+        ("encoder", torch.bfloat16),
+    ]:
+        assert "fused" not in kernels.attention_candidates(*args), args
+
+
+@pytest.mark.parametrize("b,h,s,d", [(16, 6, 1500, 64), (5, 8, 1500, 64), (3, 2, 37, 16)])
+def test_fused_decode_attention_matches_float64_and_sdpa(b, h, s, d):
+    """The C kernel on the caches as the eager step holds them: q a (B, T, H, D) view, k
+    and v the first rows of larger buffers (DecodeCaches.compact keeps views); its
+    output laid out as blocked attention's. Also sharp scores, where a rounding shows."""
+    native_built()
+    q, k, v = qkv(b, h, 1, s, d, torch.bfloat16)
+    _, big_k, big_v = qkv(b + 3, h, 1, s, d, torch.bfloat16, seed=1)
+    big_k[:b], big_v[:b] = k, v
+    k, v = big_k[:b], big_v[:b]
+    check_attention(q, k, v, impls=["fused"])
+    out = kernels.ATTENTION["fused"](q, k, v, None, False)
+    assert out.stride() == kernels._blocked(q, k, v, None, False).stride()
+    check_attention(*qkv(b, h, 1, s, d, torch.bfloat16, sharp=12.0, seed=2), impls=["fused"])
+
+
+def test_fused_runs_blocked_attention_where_it_does_not_apply(monkeypatch):
+    """A mask, a causal call, more than one query, another dtype, and any call where the
+    library is absent: blocked attention, bit for bit."""
+    q, k, v = qkv(3, 2, 1, 40, 16, torch.bfloat16)
+    mask = torch.arange(40) <= 30
+    cases = [
+        (q, k, v, mask, False),
+        (*qkv(3, 2, 4, 40, 16, torch.bfloat16), None, True),
+        (*qkv(3, 2, 1, 40, 16, torch.float32), None, False),
+    ]
+    for case in cases:
+        assert torch.equal(kernels._fused(*case), kernels._blocked(*case))
+    monkeypatch.setattr(kernels, "_native", lambda: None)
+    assert torch.equal(kernels._fused(q, k, v, None, False), kernels._blocked(q, k, v, None, False))
+    assert "fused" not in kernels.attention_candidates("decode", torch.bfloat16)
+
+
+def test_native_library_is_built_once_and_absent_where_it_cannot_build(tmp_path, monkeypatch):
+    """Built into the folder given, found there by the next process (no compiler run);
+    a compiler that fails leaves the kernels absent, never an error."""
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    built = native.library.__wrapped__(tmp_path / "a")
+    assert built is not None and len(list((tmp_path / "a").glob("attention-*.so"))) == 1
+
+    def no_build(*_args):
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(native, "_build", no_build)
+    assert native.library.__wrapped__(tmp_path / "a") is not None
+    monkeypatch.undo()
+    monkeypatch.setenv("CC", "false")
+    assert native.library.__wrapped__(tmp_path / "b") is None
+    assert not list((tmp_path / "b").glob("*.so"))
 
 
 def test_transposed_keys_are_a_class_of_their_own(monkeypatch):
@@ -339,7 +415,7 @@ def test_a_plan_times_once_and_writes_the_cache(tmp_path, monkeypatch):
     assert not more
     assert key.endswith("|attention/bf16/decode/B2xH2xT1xS64xD16/none")
     assert f"threads={torch.get_num_threads()}" in key and kernels.cpu_model() in key
-    assert set(entry["ms"]) == set(kernels.attention_candidates("decode"))
+    assert set(entry["ms"]) == set(kernels.attention_candidates("decode", torch.bfloat16))
     ms = entry["ms"]
     fastest = min(ms, key=ms.get)
     assert entry["choice"] == (fastest if ms[fastest] < 0.95 * ms["sdpa"] else "sdpa")
@@ -389,6 +465,13 @@ def test_a_kernel_made_in_its_first_call_is_timed_on_its_later_ones():
     assert len(calls) >= 2 + kernels.TIMING_REPS
 
 
+def attention_candidates_of(name: str) -> tuple[str, ...]:
+    """The candidates of an attention class from its name (see _attention_shape)."""
+    _, dtype, cls, _, kind, *keys = name.split("/")
+    layout = keys[0].removeprefix("keys-") if keys else "rows"
+    return kernels.attention_candidates(cls, DTYPES[dtype], kind, layout)
+
+
 def forge(path, choices: dict[str, str], dtype=torch.float32) -> None:
     """A cache file in which these classes' choices were timed (among all candidates)."""
     prefix = f"{kernels._machine()}|threads={torch.get_num_threads()}|"
@@ -396,7 +479,7 @@ def forge(path, choices: dict[str, str], dtype=torch.float32) -> None:
     for name, choice in choices.items():
         op = name.split("/")[0]
         cands = {
-            "attention": kernels.attention_candidates(name.split("/")[2]),
+            "attention": attention_candidates_of(name) if op == "attention" else (),
             "logits": kernels.logits_candidates(dtype),
             "linear": kernels.upcast_candidates("linear", dtype),
             "conv1d": kernels.upcast_candidates("conv1d", dtype),

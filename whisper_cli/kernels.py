@@ -24,6 +24,8 @@ Invariants:
   near-equals keep the reference.
 * Off the CPU, and while torch.compile traces (one graph, no choice on the Python side),
   the reference runs.
+* One implementation is C compiled on the machine ("fused", native.py): offered only
+  where it builds, so a machine without a C compiler runs the others.
 
 `WHISPER_CLI_KERNELS`: `auto` (default), `reference`, or a comma list of implementation
 names forced where they apply (the reference elsewhere); neither of the last two times or
@@ -49,6 +51,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from whisper_cli import native
 from whisper_cli.dtypes import dtype_name
 
 log = logging.getLogger(__name__)
@@ -172,6 +175,42 @@ def _blocked(q, k, v, mask, causal):
     return out
 
 
+def _fused_applies(q, k, v, mask, causal) -> bool:
+    return (
+        mask is None
+        and not causal
+        and q.shape[-2] == 1
+        and q.dtype == k.dtype == v.dtype == torch.bfloat16
+        and q.device.type == "cpu"
+        and k.shape[-2] <= native.MAX_KEYS
+        and q.shape[-1] <= native.MAX_HEAD_DIM
+        and all(t.stride(-1) == 1 for t in (q, k, v))
+    )
+
+
+def _fused(q, k, v, mask, causal):
+    """One query over bf16 keys and values widened as they are read, in float32
+    (csrc/attention.c): a decode step's cross-attention without an f32 copy of its
+    cache. Blocked attention for any other call, and where the library is absent."""
+    lib = _native()
+    if lib is None or not _fused_applies(q, k, v, mask, causal):
+        return _blocked(q, k, v, mask, causal)
+    b, h, _, d = q.shape
+    out = q.new_empty((b, 1, h, d)).transpose(1, 2)  # as _blocked's: heads merge as a view
+    lib.decode_attention_bf16(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+        b, h, k.shape[-2], d,
+        native.strides(q, 2), native.strides(k, 3), native.strides(v, 3), native.strides(out, 2),
+        d**-0.5, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def _native():
+    """The C kernels' library (native.py), built beside the kernel cache file."""
+    return native.library(kernels_cache_path().parent / "native")
+
+
 ATTENTION: dict[str, Attention] = {
     # torch's fused kernel: the reference, and the fastest for f32 where measured.
     "sdpa": _sdpa,
@@ -181,18 +220,29 @@ ATTENTION: dict[str, Attention] = {
     # The same in cache-sized tiles: the encoder's long queries without the full score
     # tensor, and the bf16 decode caches upcast a tile at a time instead of whole.
     "blocked": _blocked,
+    # A decode step's unmasked attention over bf16 caches in one C loop (csrc/): offered
+    # only for that class, and only where the library builds.
+    "fused": _fused,
 }
 
 
-def attention_candidates(shape_class: str) -> tuple[str, ...]:
-    """Implementations timed for a shape class ("decode", "prefill", "encoder").
+def attention_candidates(
+    shape_class: str,
+    dtype: torch.dtype | None = None,
+    kind: str = "none",
+    keys: str = "rows",
+) -> tuple[str, ...]:
+    """Implementations timed for a shape class ("decode", "prefill", "encoder") of
+    `dtype`, mask `kind` and key layout (see _attention_shape).
 
-    The same in every dtype: each computes in float32 and rounds once (the reference,
-    SDPA, as its CPU kernel does), so each is exact enough in all of them; which one is
-    fastest does depend on the dtype, and the dtype is part of every class's name."""
+    Each computes in float32 and rounds once (the reference, SDPA, as its CPU kernel
+    does), so each is exact enough in every dtype; which one is fastest does depend on
+    the dtype, and the dtype is part of every class's name."""
     if shape_class == "encoder":  # plain matmul would hold all (B, H, T, S) f32 scores
         return ("sdpa", "blocked")
-    return ("sdpa", "matmul", "blocked")
+    common = ("sdpa", "matmul", "blocked")
+    fused = (shape_class, dtype, kind, keys) == ("decode", torch.bfloat16, "none", "rows")
+    return (*common, "fused") if fused and _native() is not None else common
 
 
 # --- vocabulary projection implementations ------------------------------------------
@@ -718,7 +768,8 @@ def _attention_shape(
     name = "attention/{}/{}/B{}xH{}xT{}xS{}xD{}/{}".format(dtype_name(dtype), cls, *shape, kind)
     if keys != "rows":
         name += "/keys-" + keys
-    return ShapeClass(name, attention_candidates(cls), (*_attention_timing(shape), kind, keys))
+    candidates = attention_candidates(cls, dtype, kind, keys)
+    return ShapeClass(name, candidates, (*_attention_timing(shape), kind, keys))
 
 
 def _logits_shape(dtype: torch.dtype, m: int, v: int, c: int) -> ShapeClass:
