@@ -126,47 +126,66 @@ def native_built() -> None:
     assert kernels._native() is not None, "the native kernels did not build (see debug log)"
 
 
-def test_fused_decode_attention_is_offered_for_bf16_decode_steps_only():
+def test_fused_decode_attention_is_offered_for_decode_steps_only():
     native_built()
-    assert "fused" in kernels.attention_candidates("decode", torch.bfloat16)
     for args in [
+        ("decode", torch.bfloat16),
         ("decode", torch.float32),
+        ("decode", torch.float32, "none", "transposed"),
+    ]:
+        assert "fused" in kernels.attention_candidates(*args), args
+    for args in [
         ("decode", torch.float16),
         ("decode", torch.bfloat16, "mask"),
+        ("decode", torch.float32, "causal"),
         ("decode", torch.bfloat16, "none", "transposed"),
         ("prefill", torch.bfloat16),
-        ("encoder", torch.bfloat16),
+        ("encoder", torch.float32),
     ]:
         assert "fused" not in kernels.attention_candidates(*args), args
 
 
+FUSED_CASES = [(torch.bfloat16, "rows"), (torch.float32, "rows"), (torch.float32, "transposed")]
+
+
+@pytest.mark.parametrize("dtype,keys", FUSED_CASES, ids=lambda c: str(c))
 @pytest.mark.parametrize("b,h,s,d", [(16, 6, 1500, 64), (5, 8, 1500, 64), (3, 2, 37, 16)])
-def test_fused_decode_attention_matches_float64_and_sdpa(b, h, s, d):
+def test_fused_decode_attention_matches_float64_and_sdpa(b, h, s, d, dtype, keys):
     """The C kernel on the caches as the eager step holds them: q a (B, T, H, D) view, k
-    and v the first rows of larger buffers (DecodeCaches.compact keeps views); its
-    output laid out as blocked attention's. Also sharp scores, where a rounding shows."""
+    and v the first rows of larger buffers (DecodeCaches.compact keeps views), keys by
+    rows or by column (model.cross_keys_transposed); its output laid out as blocked
+    attention's. Also sharp scores, where a rounding shows."""
     native_built()
-    q, k, v = qkv(b, h, 1, s, d, torch.bfloat16)
-    _, big_k, big_v = qkv(b + 3, h, 1, s, d, torch.bfloat16, seed=1)
-    big_k[:b], big_v[:b] = k, v
-    k, v = big_k[:b], big_v[:b]
-    check_attention(q, k, v, impls=["fused"])
-    out = kernels.ATTENTION["fused"](q, k, v, None, False)
-    assert out.stride() == kernels._blocked(q, k, v, None, False).stride()
-    check_attention(*qkv(b, h, 1, s, d, torch.bfloat16, sharp=12.0, seed=2), impls=["fused"])
+
+    def cache(t: torch.Tensor, transposed: bool) -> torch.Tensor:
+        big = torch.zeros((t.shape[0] + 3, *t.shape[1:]), dtype=t.dtype)
+        if transposed:
+            big = big.mT.contiguous().mT  # (B, H, D, S) storage seen as (B, H, S, D)
+        big[: t.shape[0]] = t
+        return big[: t.shape[0]]
+
+    for sharp, seed in [(3.0, 0), (12.0, 2)]:
+        q, k, v = qkv(b, h, 1, s, d, dtype, sharp=sharp, seed=seed)
+        k, v = cache(k, keys == "transposed"), cache(v, False)
+        assert kernels._fused_function(q, k, v, None, False) is not None
+        check_attention(q, k, v, impls=["fused"])
+        out = kernels.ATTENTION["fused"](q, k, v, None, False)
+        assert out.stride() == kernels._blocked(q, k, v, None, False).stride()
 
 
 def test_fused_runs_blocked_attention_where_it_does_not_apply(monkeypatch):
-    """A mask, a causal call, more than one query, another dtype, and any call where the
-    library is absent: blocked attention, bit for bit."""
+    """A mask, a causal call, more than one query, another dtype, bf16 keys by column,
+    and any call where the library is absent: blocked attention, bit for bit."""
     q, k, v = qkv(3, 2, 1, 40, 16, torch.bfloat16)
     mask = torch.arange(40) <= 30
     cases = [
         (q, k, v, mask, False),
         (*qkv(3, 2, 4, 40, 16, torch.bfloat16), None, True),
-        (*qkv(3, 2, 1, 40, 16, torch.float32), None, False),
+        (*qkv(3, 2, 1, 40, 16, torch.float16), None, False),
+        (q, k.mT.contiguous().mT, v, None, False),
     ]
     for case in cases:
+        assert kernels._fused_function(*case) is None
         assert torch.equal(kernels._fused(*case), kernels._blocked(*case))
     monkeypatch.setattr(kernels, "_native", lambda: None)
     assert torch.equal(kernels._fused(q, k, v, None, False), kernels._blocked(q, k, v, None, False))

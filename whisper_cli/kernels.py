@@ -175,32 +175,39 @@ def _blocked(q, k, v, mask, causal):
     return out
 
 
-def _fused_applies(q, k, v, mask, causal) -> bool:
-    return (
-        mask is None
-        and not causal
-        and q.shape[-2] == 1
-        and q.dtype == k.dtype == v.dtype == torch.bfloat16
-        and q.device.type == "cpu"
-        and k.shape[-2] <= native.MAX_KEYS
-        and q.shape[-1] <= native.MAX_HEAD_DIM
-        and all(t.stride(-1) == 1 for t in (q, k, v))
-    )
+def _fused_function(q, k, v, mask, causal) -> str | None:
+    """The C function (native.DECODE_ATTENTION) for this call, None where none applies:
+    one unmasked query per row, bf16 or f32, keys by rows (bf16, f32) or by column (f32)."""
+    if mask is not None or causal or q.shape[-2] != 1 or q.device.type != "cpu":
+        return None
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if k.shape[-2] > native.MAX_KEYS or q.shape[-1] > native.MAX_HEAD_DIM:
+        return None
+    if q.stride(-1) != 1 or v.stride(-1) != 1:
+        return None
+    columns = k.stride(-2) == 1 and k.stride(-1) != 1
+    if not columns and k.stride(-1) != 1:
+        return None
+    wanted = (dtype_name(q.dtype), columns)
+    return next((f for f, of in native.DECODE_ATTENTION.items() if of == wanted), None)
 
 
 def _fused(q, k, v, mask, causal):
-    """One query over bf16 keys and values widened as they are read, in float32
-    (csrc/attention.c): a decode step's cross-attention without an f32 copy of its
-    cache. Blocked attention for any other call, and where the library is absent."""
+    """One query over the keys and values read once, in float32 (bf16 widened as it is
+    read) (csrc/attention.c): a decode step's attention without a float32 copy of its
+    cache or a call per tile. Blocked attention for any other call, and where the
+    library is absent."""
     lib = _native()
-    if lib is None or not _fused_applies(q, k, v, mask, causal):
+    name = _fused_function(q, k, v, mask, causal)
+    if lib is None or name is None:
         return _blocked(q, k, v, mask, causal)
     b, h, _, d = q.shape
     out = q.new_empty((b, 1, h, d)).transpose(1, 2)  # as _blocked's: heads merge as a view
-    lib.decode_attention_bf16(
+    getattr(lib, name)(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
         b, h, k.shape[-2], d,
-        native.strides(q, 2), native.strides(k, 3), native.strides(v, 3), native.strides(out, 2),
+        native.strides(q, 2), native.strides(k, 4), native.strides(v, 3), native.strides(out, 2),
         d**-0.5, torch.get_num_threads(),
     )  # fmt: skip
     return out
@@ -220,7 +227,7 @@ ATTENTION: dict[str, Attention] = {
     # The same in cache-sized tiles: the encoder's long queries without the full score
     # tensor, and the bf16 decode caches upcast a tile at a time instead of whole.
     "blocked": _blocked,
-    # A decode step's unmasked attention over bf16 caches in one C loop (csrc/): offered
+    # A decode step's unmasked attention in one C loop over the caches (csrc/): offered
     # only for that class, and only where the library builds.
     "fused": _fused,
 }
@@ -241,7 +248,8 @@ def attention_candidates(
     if shape_class == "encoder":  # plain matmul would hold all (B, H, T, S) f32 scores
         return ("sdpa", "blocked")
     common = ("sdpa", "matmul", "blocked")
-    fused = (shape_class, dtype, kind, keys) == ("decode", torch.bfloat16, "none", "rows")
+    fused = shape_class == "decode" and kind == "none"
+    fused &= dtype == torch.float32 or (dtype == torch.bfloat16 and keys == "rows")
     return (*common, "fused") if fused and _native() is not None else common
 
 

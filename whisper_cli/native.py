@@ -34,7 +34,13 @@ SOURCE = Path(__file__).with_name("csrc") / "attention.c"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lmvec", "-lm")
 BUILD_TIMEOUT_S = 120
-# decode_attention_bf16 keeps a query's scores and its float32 query on the stack.
+# csrc/attention.c: (dtype, keys stored by column) -> the function for it. Each keeps
+# a query's scores and its float32 query on the stack, hence the bounds.
+DECODE_ATTENTION = {
+    "decode_attention_bf16": ("bf16", False),
+    "decode_attention_f32": ("f32", False),
+    "decode_attention_f32_kcols": ("f32", True),
+}
 MAX_KEYS = 4096
 MAX_HEAD_DIM = 256
 
@@ -91,10 +97,11 @@ def library(cache_dir: Path) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.debug("native kernels unavailable: %s", exc)
         return None
-    fn = lib.decode_attention_bf16
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [_I64P] * 4
-    fn.argtypes += [ctypes.c_float, ctypes.c_int]
-    fn.restype = None
+    for name in DECODE_ATTENTION:
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [_I64P] * 4
+        fn.argtypes += [ctypes.c_float, ctypes.c_int]
+        fn.restype = None
     return lib
 
 

@@ -1,15 +1,18 @@
-/* One decode step's attention over bf16 keys and values, computed in float32.
+/* One decode step's attention, computed in float32, in one pass over the cache.
  *
  * out[b, h] = softmax(q[b, h] . k[b, h]^T * scale) . v[b, h], one query per (b, h): what
- * kernels._attend_f32 computes, each key and value widened to float32 as it is read
- * instead of through a float32 copy of the cache. A decode step on the CPU is bound by
- * reading its cross-attention cache; the copy wrote it again in float32 and read that.
+ * kernels._attend_f32 computes. A decode step on the CPU is bound by reading its
+ * cross-attention cache; here each key and value is read once, widened to float32 as it
+ * is read (bf16), with no float32 copy of the cache written and read again, no (B, H, S)
+ * score tensor, and no call per (batch, head) tile.
  *
- * Strides are in elements (q, out: batch, head; k, v: batch, head, key); the last
- * dimension of every tensor is contiguous. Built by whisper_cli/native.py with
- * -ffast-math, which lets the dot products and exp vectorize: nothing here is NaN or
- * infinite (the scores of finite inputs are finite), and the order of a float32 sum is
- * no part of the result's contract (see kernels.py: as exact as the reference).
+ * Strides are in elements: q and out (batch, head), k (batch, head, key, dim), v (batch,
+ * head, key). The last dimension of q, v and out is contiguous; k is contiguous along
+ * its dims (keys by rows) or along its keys (_kcols: keys by column, as the f32 model
+ * stores its cross keys). Built by whisper_cli/native.py with -ffast-math, which lets
+ * the sums and exp vectorize: nothing here is NaN or infinite (the scores of finite
+ * inputs are finite), and the order of a float32 sum is no part of the result's contract
+ * (kernels.py: as exact as the reference).
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,37 +33,58 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch rou
     return (uint16_t)(u >> 16);
 }
 
-void decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                           uint16_t *out, int64_t B, int64_t H, int64_t S, int64_t D,
-                           const int64_t *qs, const int64_t *ks, const int64_t *vs,
-                           const int64_t *os, float scale, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < B * H; i++) {
-        const int64_t b = i / H, h = i % H;
-        const uint16_t *qi = q + b * qs[0] + h * qs[1];
-        const uint16_t *ki = k + b * ks[0] + h * ks[1];
-        const uint16_t *vi = v + b * vs[0] + h * vs[1];
-        float qf[D], acc[D], p[S]; /* D <= 256, S <= 4096: native.py checks */
-        for (int64_t d = 0; d < D; d++) qf[d] = from_bf16(qi[d]) * scale;
-        for (int64_t s = 0; s < S; s++) {
-            const uint16_t *row = ki + s * ks[2];
-            float dot = 0.0f;
-            for (int64_t d = 0; d < D; d++) dot += qf[d] * from_bf16(row[d]);
-            p[s] = dot;
-        }
-        float top = p[0];
-        for (int64_t s = 1; s < S; s++) top = p[s] > top ? p[s] : top;
-        float total = 0.0f;
-        for (int64_t s = 0; s < S; s++) {
-            p[s] = expf(p[s] - top);
-            total += p[s];
-        }
-        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-        for (int64_t s = 0; s < S; s++) {
-            const uint16_t *row = vi + s * vs[2];
-            for (int64_t d = 0; d < D; d++) acc[d] += p[s] * from_bf16(row[d]);
-        }
-        uint16_t *o = out + b * os[0] + h * os[1];
-        for (int64_t d = 0; d < D; d++) o[d] = to_bf16(acc[d] / total);
+static inline float as_float(float x) { return x; }
+
+/* The scores p[S] of one (b, h) are computed by SCORES; then softmax and the weighted
+ * sum of the values, written to out. D <= 256 and S <= 4096 (native.py checks): the
+ * scores and the float32 query live on the stack. */
+#define DECODE_ATTENTION(NAME, T, LOAD, STORE, SCORES)                                     \
+    void NAME(const T *q, const T *k, const T *v, T *out, int64_t B, int64_t H, int64_t S, \
+              int64_t D, const int64_t *qs, const int64_t *ks, const int64_t *vs,          \
+              const int64_t *os, float scale, int threads) {                               \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                  \
+        for (int64_t i = 0; i < B * H; i++) {                                              \
+            const int64_t b = i / H, h = i % H;                                            \
+            const T *qi = q + b * qs[0] + h * qs[1];                                       \
+            const T *ki = k + b * ks[0] + h * ks[1];                                       \
+            const T *vi = v + b * vs[0] + h * vs[1];                                       \
+            float qf[D], acc[D], p[S];                                                     \
+            for (int64_t d = 0; d < D; d++) qf[d] = LOAD(qi[d]) * scale;                   \
+            SCORES(LOAD)                                                                   \
+            float top = p[0];                                                              \
+            for (int64_t s = 1; s < S; s++) top = p[s] > top ? p[s] : top;                 \
+            float total = 0.0f;                                                            \
+            for (int64_t s = 0; s < S; s++) {                                              \
+                p[s] = expf(p[s] - top);                                                   \
+                total += p[s];                                                             \
+            }                                                                              \
+            for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;                                 \
+            for (int64_t s = 0; s < S; s++) {                                              \
+                const T *row = vi + s * vs[2];                                             \
+                for (int64_t d = 0; d < D; d++) acc[d] += p[s] * LOAD(row[d]);             \
+            }                                                                              \
+            T *o = out + b * os[0] + h * os[1];                                            \
+            for (int64_t d = 0; d < D; d++) o[d] = STORE(acc[d] / total);                  \
+        }                                                                                  \
     }
-}
+
+/* Keys by rows: a dot product per key. */
+#define KEY_ROWS(LOAD)                                                                     \
+    for (int64_t s = 0; s < S; s++) {                                                      \
+        const __typeof__(*k) *row = ki + s * ks[2];                                        \
+        float dot = 0.0f;                                                                  \
+        for (int64_t d = 0; d < D; d++) dot += qf[d] * LOAD(row[d]);                       \
+        p[s] = dot;                                                                        \
+    }
+
+/* Keys by column: every score gains q[d] times column d, along the keys. */
+#define KEY_COLUMNS(LOAD)                                                                  \
+    for (int64_t s = 0; s < S; s++) p[s] = 0.0f;                                           \
+    for (int64_t d = 0; d < D; d++) {                                                      \
+        const __typeof__(*k) *col = ki + d * ks[3];                                        \
+        for (int64_t s = 0; s < S; s++) p[s] += qf[d] * LOAD(col[s]);                      \
+    }
+
+DECODE_ATTENTION(decode_attention_bf16, uint16_t, from_bf16, to_bf16, KEY_ROWS)
+DECODE_ATTENTION(decode_attention_f32, float, as_float, as_float, KEY_ROWS)
+DECODE_ATTENTION(decode_attention_f32_kcols, float, as_float, as_float, KEY_COLUMNS)
