@@ -313,6 +313,27 @@ def test_a_retry_asked_for_as_a_row_finishes_is_decoded_in_the_same_run():
     assert ran.refills == 4 and ran.decoded_rows == 6 and ran.encoded_rows == 5
 
 
+def test_caches_select_and_compact_rows_in_their_own_layout():
+    """Keys stored by column (model.cross_keys_transposed) stay so through a select and a
+    compaction, and every row lands where it should, in both layouts."""
+    from whisper_cli.model import DecodeCaches, KVCache
+
+    g = torch.Generator().manual_seed(0)
+    by_column = torch.randn(6, 2, 8, 30, generator=g).mT  # (B, H, S, D) stored (B, H, D, S)
+    by_rows = torch.randn(6, 2, 30, 8, generator=g)
+    caches = DecodeCaches(
+        [KVCache(by_rows.clone(), by_rows.clone())], [KVCache(by_column, by_rows)]
+    )
+    before = [t.clone() for t in caches.tensors()]
+    rows = torch.tensor([4, 1])
+    picked = caches.select(rows)
+    for t, old in zip(picked.tensors(), before, strict=True):
+        assert torch.equal(t, old[rows]) and t.stride(-2) == old.stride(-2)
+    kept = caches.compact(torch.tensor([0, 2]), torch.tensor([4, 5]), 4)
+    for t, new in zip(kept.tensors(), before, strict=True):
+        assert torch.equal(t, new[[4, 1, 5, 3]]) and t.stride() == new.stride()
+
+
 def test_rows_dropped_in_place_decode_as_rows_never_dropped(monkeypatch):
     """tiny.en on nine real windows at once: the eager batch drops finished rows by moving
     live ones into their places (no select of the caches), and each row's tokens and
