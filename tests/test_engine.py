@@ -349,7 +349,13 @@ def test_rows_dropped_in_place_decode_as_rows_never_dropped(monkeypatch):
     # Short windows too: rows that end early, so the batch shrinks more than once.
     windows[1], windows[5] = windows[1][:60_000], windows[5][:100_000]
     rows = [WindowInput(w, language=None) for w in windows]
+    reads = []
+    real_read = decoding.decoded_rows
+    monkeypatch.setattr(decoding, "decoded_rows", lambda *a: reads.append(a[1]) or real_read(*a))
     whole = Engine(loaded, DecodeOptions(), shrink=False).run(rows)
+    # No drop, no caller told, no row waiting: the finished rows are read once, at the end.
+    assert len(reads) == 1 and sorted(reads[0]) == list(range(len(rows)))
+    monkeypatch.undo()
 
     moved, selected = [], []
     for name, seen in (("compact", moved), ("select", selected)):

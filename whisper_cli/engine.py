@@ -592,7 +592,11 @@ class Engine:
                     next_report = time.perf_counter() + PROGRESS_SECONDS
                 else:
                     n_active = int((~state.finished).sum())
-                if n_active < len(run.slot_rows) - run.idle:
+                # Finished rows are read here only where it matters before the loop ends
+                # (a caller told of each, a row waiting for a place, a drop); else once at
+                # the end, with no device reads in between (CUDA).
+                listened = run.on_finish is not None or run.pending or self.shrink
+                if listened and n_active < len(run.slot_rows) - run.idle:
                     n_active = self._finished(state, run)  # may queue retries, stop rows
                 if n_active == 0 and not run.pending:
                     break
