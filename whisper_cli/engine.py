@@ -562,8 +562,9 @@ class Engine:
         guard: bool,
     ) -> None:
         """Step until every row has finished (or max_new tokens) and no row waits, each
-        row's result read into run.results as it finishes (the eager path steps over
-        fewer rows as they finish, rows that wait take the places of rows that finish).
+        row's result read into run.results as it finishes where a caller, a waiting row or
+        a drop needs it, else at the end (the eager path steps over fewer rows as they
+        finish, rows that wait take the places of rows that finish).
 
         guard: run the repetition guard (a probed decode steps every row to the end)."""
         if self.compile:
