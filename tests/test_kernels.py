@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +19,18 @@ from whisper_cli.model import Extent
 HALF = [torch.bfloat16, torch.float16]
 
 
+@pytest.fixture(scope="module")
+def native_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("native")
+
+
 @pytest.fixture(autouse=True)
-def own_cache(tmp_path, monkeypatch):
-    """Each test: its own cache file, and the timed choices (mode auto) unless it asks."""
+def own_cache(tmp_path, monkeypatch, native_dir):
+    """Each test: its own cache file, and the timed choices (mode auto) unless it asks;
+    the C kernels built once for all (native.library's own test builds its own)."""
     monkeypatch.setenv("WHISPER_CLI_KERNELS_CACHE", str(tmp_path / "kernels.json"))
     monkeypatch.delenv("WHISPER_CLI_KERNELS", raising=False)
+    monkeypatch.setattr(kernels, "_native", lambda: native.library(native_dir))
 
 
 def no_timing(*_args, **_kwargs):
@@ -203,12 +211,17 @@ def test_native_library_is_built_once_and_absent_where_it_cannot_build(tmp_path,
     def no_build(*_args):
         raise AssertionError("built again")
 
+    real_build = native._build
+
     monkeypatch.setattr(native, "_build", no_build)
     assert native.library.__wrapped__(tmp_path / "a") is not None
-    monkeypatch.undo()
+    monkeypatch.setattr(native, "_build", real_build)
     monkeypatch.setenv("CC", "false")
     assert native.library.__wrapped__(tmp_path / "b") is None
     assert not list((tmp_path / "b").glob("*.so"))
+    assert len(list((tmp_path / "b").glob("*.failed"))) == 1  # the next process: no try
+    monkeypatch.setattr(native, "_build", no_build)
+    assert native.library.__wrapped__(tmp_path / "b") is None
 
 
 def test_transposed_keys_are_a_class_of_their_own(monkeypatch):

@@ -90,9 +90,16 @@ def library(cache_dir: Path) -> ctypes.CDLL | None:
         ).stdout.splitlines()[:1]
         key = "\n".join([SOURCE.read_text(), *FLAGS, *LIBS, cc, *version, _cpu_digest()])
         path = cache_dir / f"attention-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+        failed = path.with_suffix(".failed")  # a build that failed is not tried again
+        if failed.exists():
+            return None
         if not path.exists():
             log.debug("building %s", path)
-            _build(cc, path)
+            try:
+                _build(cc, path)
+            except (OSError, subprocess.SubprocessError) as exc:
+                failed.write_text(str(exc))
+                raise
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         log.debug("native kernels unavailable: %s", exc)
