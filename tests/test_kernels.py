@@ -8,6 +8,7 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ def own_cache(tmp_path, monkeypatch, native_dir):
     monkeypatch.setenv("WHISPER_CLI_KERNELS_CACHE", str(tmp_path / "kernels.json"))
     monkeypatch.delenv("WHISPER_CLI_KERNELS", raising=False)
     monkeypatch.setattr(kernels, "_native", lambda: native.library(native_dir))
+    monkeypatch.setattr(kernels, "_native_offered", lambda: native.buildable(native_dir))
 
 
 def no_timing(*_args, **_kwargs):
@@ -195,9 +197,40 @@ def test_fused_runs_blocked_attention_where_it_does_not_apply(monkeypatch):
     for case in cases:
         assert kernels._fused_function(*case) is None
         assert torch.equal(kernels._fused(*case), kernels._blocked(*case))
+    # Shapes the C loop cannot take (it reads B, H, D from q and S from k): broadcast
+    # keys, values of another length or width, no keys at all.
+    for k2, v2 in [
+        (k[:1], v[:1]),
+        (k, v[:, :, :20]),
+        (k[..., :8], v[..., :8]),
+        (k[:, :, :0], v[:, :, :0]),
+    ]:
+        assert kernels._fused_function(q, k2, v2, None, False) is None
     monkeypatch.setattr(kernels, "_native", lambda: None)
     assert torch.equal(kernels._fused(q, k, v, None, False), kernels._blocked(q, k, v, None, False))
+    monkeypatch.setattr(kernels, "_native_offered", lambda: False)
     assert "fused" not in kernels.attention_candidates("decode", torch.bfloat16)
+
+
+def test_loading_the_native_library_changes_no_other_computation(tmp_path):
+    """Subnormals survive the load: a library linked with -ffast-math (gcc before 13)
+    would turn on flush-to-zero for the whole process as it loads."""
+    native_built()
+    tiny = torch.tensor([1e-39])
+    assert (tiny * 0.5).item() != 0.0
+    assert native.library.__wrapped__(tmp_path) is not None
+    assert (tiny * 0.5).item() != 0.0
+    assert np.float32(1e-39) * np.float32(0.5) != 0.0
+
+
+def test_offering_the_kernel_builds_nothing(tmp_path, monkeypatch):
+    """A plan offers "fused" where it can be built; the build waits for its first call
+    (a reference or CUDA plan never calls it)."""
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(kernels, "_native_offered", lambda: native.buildable(tmp_path))
+    assert "fused" in kernels.attention_candidates("decode", torch.bfloat16)
+    assert not list(tmp_path.glob("*.so"))
 
 
 def test_native_library_is_built_once_and_absent_where_it_cannot_build(tmp_path, monkeypatch):

@@ -182,7 +182,12 @@ def _fused_function(q, k, v, mask, causal) -> str | None:
         return None
     if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.bfloat16, torch.float32):
         return None
-    if k.shape[-2] > native.MAX_KEYS or q.shape[-1] > native.MAX_HEAD_DIM:
+    # The C loop takes B, H and D from q and S from k: no broadcasting, no other value size.
+    if not q.shape[:2] == k.shape[:2] == v.shape[:2] or not 1 <= k.shape[-2] == v.shape[-2]:
+        return None
+    if not q.shape[-1] == k.shape[-1] == v.shape[-1] <= native.MAX_HEAD_DIM:
+        return None
+    if k.shape[-2] > native.MAX_KEYS:
         return None
     if q.stride(-1) != 1 or v.stride(-1) != 1:
         return None
@@ -214,8 +219,14 @@ def _fused(q, k, v, mask, causal):
 
 
 def _native():
-    """The C kernels' library (native.py), built beside the kernel cache file."""
+    """The C kernels' library (native.py), built beside the kernel cache file at its first
+    call: a plan in reference mode or off the CPU never builds it."""
     return native.library(kernels_cache_path().parent / "native")
+
+
+def _native_offered() -> bool:
+    """Whether the C kernels may be offered: built already, or buildable here."""
+    return native.buildable(kernels_cache_path().parent / "native")
 
 
 ATTENTION: dict[str, Attention] = {
@@ -250,7 +261,7 @@ def attention_candidates(
     common = ("sdpa", "matmul", "blocked")
     fused = shape_class == "decode" and kind == "none"
     fused &= dtype == torch.float32 or (dtype == torch.bfloat16 and keys == "rows")
-    return (*common, "fused") if fused and _native() is not None else common
+    return (*common, "fused") if fused and _native_offered() else common
 
 
 # --- vocabulary projection implementations ------------------------------------------

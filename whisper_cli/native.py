@@ -1,14 +1,17 @@
 """C kernels built on the user's machine, once, by its own C compiler.
 
 A kernel torch lacks is a C file in `csrc/`, compiled for this CPU (`-march=native`)
-into a shared library in a cache folder the first time a kernel plan asks for it, and
-called through ctypes on the tensors' memory. The library's name holds a digest of the
+into a shared library in a cache folder the first time one of its kernels is called
+(a kernel plan's timing, on a CPU plan only), and called through ctypes on the tensors'
+memory. The library's name holds a digest of the
 source, the flags, the compiler and this CPU, so a changed source, compiler or CPU (a
 home folder shared between machines) gets a library of its own.
 
 Where no C compiler works (none installed, not Linux, a failed build) the kernels are
-simply absent: `kernels.py` offers them only where `library()` returns one, and the other
-implementations run as before. Nothing here is needed for a correct result.
+simply absent: `kernels.py` offers them only where `buildable()`, runs another
+implementation where `library()` returns None, and the others run as before. Nothing
+here is needed for a correct result, and loading it changes no other computation (see
+the build's flags).
 """
 
 from __future__ import annotations
@@ -30,8 +33,13 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "attention.c"
 # -ffast-math lets gcc vectorize the float32 sums and call glibc's vector exp (libmvec);
 # the source says why that is exact enough. -fopenmp: the loop over (batch, head) pairs
-# runs on torch's threads (the library resolves to the libgomp torch has loaded).
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+# runs on torch's threads (the library resolves to the libgomp torch has loaded; clang
+# would bring its own libomp). Compiled, then linked in a step of its own: linking a
+# shared library with -ffast-math (gcc before 13) adds crtfastmath.o, which turns on
+# flush-to-zero for the whole process when the library loads, changing every other
+# kernel's results on subnormals.
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c")
+LINK_FLAGS = ("-shared", "-fopenmp")
 LIBS = ("-lmvec", "-lm")
 BUILD_TIMEOUT_S = 120
 # csrc/attention.c: (dtype, keys stored by column) -> the function for it. Each keeps
@@ -43,6 +51,11 @@ DECODE_ATTENTION = {
 }
 MAX_KEYS = 4096
 MAX_HEAD_DIM = 256
+
+
+class BuildError(OSError):
+    """The compiler refused the source (not a timeout, not a full disk)."""
+
 
 _I64P = ctypes.POINTER(ctypes.c_int64)
 
@@ -65,22 +78,21 @@ def _cpu_digest() -> str:
 def _build(cc: str, out: Path) -> None:
     """Compile SOURCE into `out`, atomically (another process may build the same)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.stem}-", suffix=".so")
-    os.close(fd)
-    try:
-        cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            raise OSError(f"{' '.join(cmd)}: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.stem}-") as tmp:
+        obj, lib = Path(tmp) / "attention.o", Path(tmp) / "attention.so"
+        for cmd in (
+            [cc, *COMPILE_FLAGS, "-o", str(obj), str(SOURCE)],
+            [cc, *LINK_FLAGS, "-o", str(lib), str(obj), *LIBS],
+        ):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            if done.returncode != 0:
+                raise BuildError(f"{' '.join(cmd)}: {done.stderr.strip()[-2000:]}")
+        os.replace(lib, out)
 
 
 @functools.cache
-def library(cache_dir: Path) -> ctypes.CDLL | None:
-    """The kernels' library, built into `cache_dir` if it is not there yet; None where it
-    cannot be built or loaded (the reason is logged at debug level)."""
+def _path(cache_dir: Path) -> Path | None:
+    """Where this machine's library lives (built or not); None: no C compiler here."""
     cc = compiler()
     if not sys.platform.startswith("linux") or cc is None:
         return None
@@ -88,17 +100,36 @@ def library(cache_dir: Path) -> ctypes.CDLL | None:
         version = subprocess.run(
             [cc, "--version"], capture_output=True, text=True, timeout=30
         ).stdout.splitlines()[:1]
-        key = "\n".join([SOURCE.read_text(), *FLAGS, *LIBS, cc, *version, _cpu_digest()])
-        path = cache_dir / f"attention-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-        failed = path.with_suffix(".failed")  # a build that failed is not tried again
-        if failed.exists():
-            return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.debug("no working C compiler: %s", exc)
+        return None
+    parts = [SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, *LIBS, cc, *version]
+    key = "\n".join([*parts, _cpu_digest()])
+    return cache_dir / f"attention-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def buildable(cache_dir: Path) -> bool:
+    """Whether the library is there or may be built (a C compiler, and no build of this
+    source by this compiler for this CPU refused before), without building it."""
+    path = _path(cache_dir)
+    return path is not None and not path.with_suffix(".failed").exists()
+
+
+@functools.cache
+def library(cache_dir: Path) -> ctypes.CDLL | None:
+    """The kernels' library, built into `cache_dir` if it is not there yet; None where it
+    cannot be built or loaded (the reason is logged at debug level). A build the
+    compiler refuses is remembered (a `.failed` file beside it) and not tried again."""
+    if not buildable(cache_dir):
+        return None
+    path = _path(cache_dir)
+    try:
         if not path.exists():
             log.debug("building %s", path)
             try:
-                _build(cc, path)
-            except (OSError, subprocess.SubprocessError) as exc:
-                failed.write_text(str(exc))
+                _build(compiler(), path)
+            except BuildError as exc:
+                path.with_suffix(".failed").write_text(str(exc))
                 raise
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
