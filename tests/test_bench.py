@@ -282,7 +282,7 @@ def test_short_real_run_reports_every_field() -> None:
     assert kernels["threads"] == 1 and kernels["timed_now"] == 0
     assert "attention/f32/decode/B4xH6xT1xS64xD64/none" in kernels["choices"]
     assert not any("/B8x" in name for name in kernels["choices"])  # batches of 4 at most
-    assert set(kernels["choices"].values()) <= {"sdpa", "matmul", "linear", "conv"}
+    assert set(kernels["choices"].values()) <= {"sdpa", "matmul", "fused", "linear", "conv"}
     assert result["kernels_summary"].startswith(f"{SUITE_KERNELS} (cpu, f32, 1 threads")
     assert report.results[0].words > 20  # 30 s of speech was transcribed
     assert "ask not what your country can do for you" in report.results[0].text.lower()
