@@ -175,6 +175,12 @@ def _blocked(q, k, v, mask, causal):
     return out
 
 
+def by_column(t: Tensor) -> bool:
+    """Whether (..., S, D) tensor t is stored by column ((..., D, S) seen as rows), as the
+    f32 model's cross keys are (model.cross_keys_transposed)."""
+    return t.stride(-2) == 1 and t.stride(-1) != 1
+
+
 def _fused_function(q, k, v, mask, causal) -> str | None:
     """The C function (native.DECODE_ATTENTION) for this call, None where none applies:
     one unmasked query per row, bf16 or f32, keys by rows (bf16, f32) or by column (f32)."""
@@ -191,7 +197,7 @@ def _fused_function(q, k, v, mask, causal) -> str | None:
         return None
     if q.stride(-1) != 1 or v.stride(-1) != 1:
         return None
-    columns = k.stride(-2) == 1 and k.stride(-1) != 1
+    columns = by_column(k)
     if not columns and k.stride(-1) != 1:
         return None
     wanted = (dtype_name(q.dtype), columns)
@@ -646,7 +652,7 @@ def attention(
     kind = "causal" if causal else "none" if mask is None else "mask"
     # Keys stored by column (model.cross_keys_transposed) are a class of their own: which
     # implementation reads them fastest depends on it.
-    keys = "transposed" if k.stride(-2) == 1 and k.stride(-1) != 1 else "rows"
+    keys = "transposed" if by_column(k) else "rows"
     choice = plan.choice("attention", q.dtype, b, h, t, k.shape[-2], d, kind, keys)
     return ATTENTION[choice](q, k, v, mask, causal)
 

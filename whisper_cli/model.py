@@ -56,7 +56,7 @@ def _stored(t: torch.Tensor) -> torch.Tensor:
     as stored): a row of dim 0 is then one block, and torch copies it as one (index_select
     and index_copy_ over the transposed view go element by element: 1.95 against 0.37 ms
     for 4 of tiny.en's rows of one layer's keys in f32, AMD EPYC Zen 4)."""
-    return t.mT if t.stride(-2) == 1 and t.stride(-1) != 1 else t
+    return t.mT if kernels.by_column(t) else t
 
 
 def _rows_of(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -116,10 +116,7 @@ class DecodeCaches:
         rows this way when nothing else reads the caches: it copies only the rows it moves
         (a select copies every row it keeps: 35 MiB a row for base in f32)."""
         for t in self.tensors():
-            # In t's own layout: a plain index_select lays transposed cross keys out by
-            # rows, and index_copy_ transposes them back (6.4 against 1.1 ms for one
-            # layer's keys, 4 of tiny.en's rows in f32, AMD EPYC Zen 4).
-            stored = _stored(t)
+            stored = _stored(t)  # rows moved as blocks, in the layout they are kept in
             stored.index_copy_(0, into, torch.index_select(stored, 0, rows))
         return DecodeCaches(
             [KVCache(c.k[:n], c.v[:n]) for c in self.self_attn],
