@@ -238,11 +238,14 @@ def test_speech_after_a_pause_is_not_lost(tiny_en, transcriber, tmp_path) -> Non
 
     # What the rule guarantees, whatever the model writes: the decode ended (at its latest
     # timestamp, the last segment's end) with less than min_speech_seconds of speech after
-    # it, the first end_slack_seconds of a stretch running on through it not counted (and a
-    # frame for the rounding of 20 ms timestamps to 32 ms frames).
+    # it, the first end_slack_seconds (cut_end_slack_seconds where the window's end cut its
+    # speech off) of a stretch running on through it not counted (and a frame for the
+    # rounding of 20 ms timestamps to 32 ms frames).
     (window,) = cut_windows([audio], t.detector, t.policy)
     speech_end = window.start + (np.flatnonzero(window.speech)[-1] + 1) * FRAME_SECONDS
-    allowed = t.policy.min_speech_seconds + t.policy.end_slack_seconds + FRAME_SECONDS
+    p = t.policy
+    slack = p.cut_end_slack_seconds if window.cut_off else p.end_slack_seconds
+    allowed = p.min_speech_seconds + slack + FRAME_SECONDS
     assert segments[-1].end >= speech_end - allowed, (segments[-1].end, speech_end)
 
 
@@ -257,6 +260,16 @@ def test_speech_after_timestamps_reads_the_map() -> None:
     assert not after[10 * per_second :].any()
     assert not rules.speech_after_timestamps(np.zeros(937, bool), 1501, 0.25).any()
     assert not rules.speech_after_timestamps(np.zeros(0, bool), 1501, 0.25).any()
+    # A slack forgives the start of a stretch running on through the timestamp, not the
+    # speech after a pause: 9.1 s has 0.5 s left, 0.2 s past a 0.3 s slack.
+    slack = rules.speech_after_timestamps(speech, 1501, 0.25, 0.3)
+    assert after[round(9.1 * per_second)] and not slack[round(9.1 * per_second)]
+    assert slack[round(8.9 * per_second)] and slack[round(2 * per_second)]
+
+    # Each row of a batch's grid has its own slack (a window cut off has less).
+    grid = rules.SpeechGrid.from_maps([speech, speech], 1501, 0.25, [0.3, 0.0], "cpu")
+    np.testing.assert_array_equal(grid.after[0].numpy(), slack)
+    np.testing.assert_array_equal(grid.after[1].numpy(), after)
 
 
 # --- 3. batching changes nothing -------------------------------------------------------------

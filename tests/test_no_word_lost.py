@@ -248,6 +248,31 @@ def test_the_last_utterance_is_transcribed_once(model, mode, tmp_path, transcrib
         assert count_phrase(text, phrase) == 1, (name, text)
 
 
+@pytest.mark.parametrize("model", ["tiny_en", "base_model"])
+def test_the_words_before_a_windows_cut_are_written(model, tmp_path, transcriber, request):
+    """Speech too long for one window (pauses of 0.3-1 s only) is cut at a pause; the
+    next window opens at the cut, so the words just before it are the cut window's to
+    write or no one's. Here the first window is cut 40 ms after "on the left" (a stretch
+    of the long-form benchmark's input, where tiny.en ended its decode before those
+    words), and each phrase must be written as often as it is spoken."""
+    clips = shared_inputs()
+    jfk, left = clips["jfk"], clips["left"]
+    pause = lambda s: np.zeros(round(s * RATE), np.float32)  # noqa: E731
+    start = round(4.804 * RATE)  # into jfk's "ask not, what your country", at a frame
+    audio = np.concatenate(
+        [jfk[start:], pause(1.0), jfk, pause(0.3), left, pause(0.3), left, jfk, pause(1.0)]
+    )
+    path = write(tmp_path, "cut", audio)
+    first = next(iter(WindowCutter(load_detector(), Policy()).cut([audio])))
+    assert first.cut_off and 28.0 < first.end < 29.0  # the cut is where the test needs it
+    options = {"language": "en"} if model == "base_model" else {}
+    t = transcriber(request.getfixturevalue(model), **options)
+    text = t.transcribe(path).text
+    assert count_phrase(text, "on the left") == 2, text  # each "left" clip ends with it
+    assert count_phrase(text, "what you can do for your country") == 3, text
+    assert count_phrase(text, "my fellow americans") == 2, text
+
+
 # --- no timestamp passes over speech ------------------------------------------------------------
 
 

@@ -176,6 +176,22 @@ def test_a_cut_goes_early_into_a_non_speech_run() -> None:
     assert second.start == pytest.approx(lead_start, abs=0.04)
 
 
+def test_a_window_whose_end_cut_its_speech_off_says_so() -> None:
+    # Windows cut inside a stretch (70 s of speech, a 0.6 s pause at 26 s), and the last,
+    # which the input's end cuts off 0.1 s after its speech, are cut off ...
+    x = planted((26.0, 0.9), (0.6, 0.1), (40.0, 0.9), (0.1, 0.0))
+    windows = cut(x)
+    assert len(windows) == 3 and all(w.cut_off for w in windows)
+    # ... a window closed a whole tail after its speech (the stretch ended), or by the
+    # cutter's hold before a long pause, is not.
+    x = planted((1.0, 0.0), (10.0, 0.9), (20.0, 0.0), (10.0, 0.9), (1.0, 0.0))
+    assert [w.cut_off for w in cut(x)] == [False, False]
+    x = planted((26.0, 0.9), (3.0, 0.1), (10.0, 0.9), (2.0, 0.0))
+    assert [w.cut_off for w in cut(x)] == [False, False]
+    # With the detector off nothing is judged by a map: no window is.
+    assert not any(w.cut_off for w in cut(planted((70.0, 0.9)), vad=False))
+
+
 def test_blocks_must_be_mono() -> None:
     with pytest.raises(ValueError, match="1-D"):
         next(cut_windows([np.zeros((100, 2), np.float32)], DETECTOR))

@@ -76,6 +76,9 @@ class WindowInput:
     # Its speech map (speech.FRAME_SECONDS frames, bool), for the rules that keep a decode
     # from ending before speech or passing over it (timestamps only); None: no map.
     speech: np.ndarray | None = None
+    # Its last speech was cut off by its end (windows.Window.cut_off): the no-end rule
+    # forgives less of it (Policy.cut_end_slack_seconds).
+    cut_off: bool = False
 
 
 @dataclass(frozen=True)
@@ -515,7 +518,7 @@ class Engine:
                 [r.speech if r.speech is not None else empty for r in rows],
                 self.n_timestamps,
                 p.min_speech_seconds,
-                p.end_slack_seconds,
+                [p.cut_end_slack_seconds if r.cut_off else p.end_slack_seconds for r in rows],
                 self.model.device,
             )
         return DecodeState.start(

@@ -357,6 +357,7 @@ class Transcriber:
             temperature=self.policy.temperatures[job.attempt],
             seed=self._seed(job),
             speech=w.speech,
+            cut_off=w.cut_off,
         )
 
     def _retry(self, run: _InRun, r: int, row: DecodedRow, spare: int) -> Reply:

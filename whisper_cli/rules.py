@@ -34,15 +34,16 @@ class SpeechGrid:
         maps: list[np.ndarray],
         n_timestamps: int,
         min_seconds: float,
-        slack_seconds: float,
+        slack_seconds: list[float],
         device: torch.device,
     ) -> SpeechGrid:
         """The grid of windows' speech maps (speech.FRAME_SECONDS frames, bool): see
-        speech_after_timestamps (min_seconds, slack_seconds) and speech_before_timestamps."""
+        speech_after_timestamps (min_seconds, each row's slack_seconds) and
+        speech_before_timestamps."""
         after = np.zeros((len(maps), n_timestamps), dtype=bool)
         before = np.zeros((len(maps), n_timestamps), dtype=np.int64)
-        for r, speech in enumerate(maps):
-            after[r] = speech_after_timestamps(speech, n_timestamps, min_seconds, slack_seconds)
+        for r, (speech, slack) in enumerate(zip(maps, slack_seconds, strict=True)):
+            after[r] = speech_after_timestamps(speech, n_timestamps, min_seconds, slack)
             before[r] = speech_before_timestamps(speech, n_timestamps)
         return cls(torch.from_numpy(after).to(device), torch.from_numpy(before).to(device))
 

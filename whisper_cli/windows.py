@@ -54,6 +54,10 @@ class Window:
     speech: np.ndarray  # (ceil(len(audio) / 512),) bool: the speech frames of `audio`
     # time.monotonic() when its first speech was read, under a latency bound (else None)
     ready: float | None = None
+    # Its last speech runs to less than a tail (policy.speech_tail_seconds) before its end:
+    # the window was cut inside a stretch of speech, or the input ended there. What the
+    # decode leaves of that speech no other window holds (see Policy.cut_end_slack_seconds).
+    cut_off: bool = False
 
     @property
     def start(self) -> float:
@@ -276,12 +280,14 @@ class WindowCutter:
         start, end = self._pieces[0][0], self._pieces[-1][1]
         audio = self._take_audio(start, end)
         speech = np.array(self._speech_frames(start, end), dtype=bool)
+        # A stretch that ended on its own is followed by a whole tail of non-speech.
+        cut_off = self.vad and self.tail > 0 and bool(speech[-self.tail :].any())
         self._emitted_to = end
         self._pieces = []
         ready = self._ready
         # The stretch still open (if any) opens the next window: it is due as early.
         self._ready = ready if self._run is not None else None
-        yield Window(self.source, self._index, start * FRAME_SAMPLES, audio, speech, ready)
+        yield Window(self.source, self._index, start * FRAME_SAMPLES, audio, speech, ready, cut_off)
         self._index += 1
 
     # -- the audio buffer --------------------------------------------------------------------
