@@ -496,14 +496,116 @@ def real_onsets(model: str, detector, tmp: Path) -> None:
     )
 
 
+def long_readings() -> list[dict]:
+    """Readings longer than a window with no pause long enough to end the stretch (0.2-1.2
+    s between sentences), so that windows are cut inside speech: every sentence and the
+    paragraph of a language, twice over, at a normal and a brisk pace, clean and in noise."""
+    rng = np.random.default_rng(1)
+    items = []
+    for lang, voices in VOICES.items():
+        texts = (SENTENCES[lang] + [PARAGRAPHS[lang]]) * 2
+        for v, voice in enumerate(voices):
+            for speed in (160, 190):
+                pieces = [silence(1.0)]
+                for text in texts:
+                    pieces += [speak(text, voice, speed), silence(float(rng.uniform(0.2, 1.2)))]
+                audio = np.concatenate(pieces)
+                for snr in (None, 10):
+                    items.append(
+                        {
+                            "name": f"{voice} reading speed {speed} snr {snr}",
+                            "lang": lang,
+                            "audio": with_noise(audio, snr, "white", v + 11),
+                            "reference": " ".join(texts),
+                        }
+                    )
+    return items
+
+
+def _norm(text: str) -> str:
+    return " ".join("".join(c.lower() if c.isalnum() else " " for c in text).split())
+
+
+def cut_evidence(
+    model: str, tmp: Path, slacks: tuple[float, ...] = (0.5, 0.35, 0.25, 0.15, 0.0)
+) -> None:
+    """Words lost and added, against each reading's reference, with each slack for a
+    window whose last stretch its end cut off (map on)."""
+    import jiwer
+
+    items = long_readings()
+    loaded = load_model(model, resolve_policy("f32", "cpu"))
+    if not loaded.tokenizer.is_multilingual:
+        items = [i for i in items if i["lang"] == "en"]
+    minutes = sum(len(i["audio"]) for i in items) / RATE / 60
+    print(f"\n## cuts ({Path(model).name}, map on; {len(items)} readings, {minutes:.1f} min):")
+    print("   reference words deleted / inserted, by cut_end_slack_seconds")
+    paths = []
+    for n, item in enumerate(items):
+        paths.append(str(tmp / f"reading{n}.wav"))
+        sf.write(paths[-1], item["audio"], RATE, subtype="FLOAT")
+    real = pipeline.judge
+    cut_off: set[tuple[int, int]] = set()
+    silent: list[str] = []  # windows judged silent: with the map on, each holds speech
+
+    def spy(window, attempts, *args, **kwargs):  # the judge is pure: watching it is safe
+        if window.cut_off:
+            cut_off.add((window.source, window.index))
+        verdict = real(window, attempts, *args, **kwargs)
+        if verdict.silent:
+            silent.append(f"{window.speech_seconds:.1f} s of speech, {len(attempts)} attempts")
+        return verdict
+
+    for slack in slacks:
+        policy = Policy(cut_end_slack_seconds=slack)
+        deleted = inserted = words = 0
+        notes = []
+        for lang in sorted({i["lang"] for i in items}):
+            chosen = [n for n, i in enumerate(items) if i["lang"] == lang]
+            t = pipeline.Transcriber(loaded, TranscribeOptions(language=lang, policy=policy))
+            results = []
+            pipeline.judge = spy
+            try:
+                t.run([paths[n] for n in chosen], results.append, print)
+            finally:
+                pipeline.judge = real
+            for n, result in zip(chosen, results, strict=True):
+                ref, hyp = _norm(items[n]["reference"]), _norm(result.text)
+                out = jiwer.process_words(ref, hyp)
+                deleted += out.deletions
+                inserted += out.insertions
+                words += len(ref.split())
+                rw, hw = ref.split(), hyp.split()
+                for a in out.alignments[0]:
+                    if a.type == "delete":
+                        notes.append(f"- {' '.join(rw[a.ref_start_idx : a.ref_end_idx])!r}")
+                    elif a.type == "insert":
+                        notes.append(f"+ {' '.join(hw[a.hyp_start_idx : a.hyp_end_idx])!r}")
+                    else:
+                        continue
+                    before = " ".join(rw[max(0, a.ref_start_idx - 4) : a.ref_start_idx])
+                    notes[-1] += f" after {before!r} [{items[n]['name']}]"
+        print(
+            f"  slack {slack:.2f}: deleted {deleted}, inserted {inserted} of {words} words "
+            f"({len(cut_off)} windows cut off)"
+        )
+        for note in notes:
+            print(f"    {note}")
+        print(f"    windows judged silent: {silent or 'none'}")
+        silent.clear()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", default=None)
-    parser.add_argument("--only", choices=["detector", "text", "ends", "spans"], default=None)
+    parser.add_argument(
+        "--only", choices=["detector", "text", "ends", "spans", "cuts"], default=None
+    )
     args = parser.parse_args()
     detector = load_detector()
-    items = corpus()
-    print(f"{len(items)} inputs, {sum(len(i['audio']) for i in items) / RATE / 60:.1f} min\n")
+    items = corpus() if args.only != "cuts" else []
+    if items:
+        print(f"{len(items)} inputs, {sum(len(i['audio']) for i in items) / RATE / 60:.1f} min\n")
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "detector"):
             onsets_and_short(items, detector, Policy())
@@ -515,6 +617,8 @@ def main() -> None:
                 end_evidence(model, items, Path(tmp))
             if args.only in (None, "spans"):
                 span_evidence(model, items, Path(tmp))
+            if args.only in (None, "cuts"):
+                cut_evidence(model, Path(tmp))
 
 
 if __name__ == "__main__":
