@@ -137,6 +137,28 @@ def test_a_silent_row_gives_no_text_and_never_falls_back(tok) -> None:
     assert judge(w, [notes], POLICY, tok).silent
 
 
+def test_silence_is_the_first_attempts_word_not_a_sampled_ones(tok) -> None:
+    """A window of speech whose greedy attempt loops falls back; sampling makes its later
+    attempts' tokens unlikely, and under a high no-speech probability (base on fast
+    French, 0.78) openai-whisper's rule would then call it silent and drop it whole. Its
+    best attempt is kept instead, and a window silent at its first attempt still is."""
+    w = window([(0.0, 20.0)])
+    speech = " Bonjour, est-ce que vous allez bien? Le train part à huit heures du soir."
+    looping = row(tok, [(0.0, 4.0, speech, -0.3)], no_speech=0.78, looped=True, avg=-0.47)
+    sampled = [
+        row(tok, [(0.0, 4.0, speech, -1.2)], no_speech=0.78, avg=-1.05 - 0.1 * k)
+        for k in range(len(POLICY.temperatures) - 1)
+    ]
+    assert sampled[0].avg_logprob < POLICY.logprob_threshold  # openai-whisper: silent
+    for n in range(1, len(sampled)):
+        assert not judge(w, [looping, *sampled[:n]], POLICY, tok).final  # falls back on
+    verdict = judge(w, [looping, *sampled], POLICY, tok)
+    assert verdict.final and not verdict.silent and verdict.row is sampled[0]
+    assert texts(verdict) == [speech.strip()]
+    silent = row(tok, [(0.0, 2.0, " you", -1.8)], no_speech=0.9, avg=-1.2)
+    assert judge(w, [silent], POLICY, tok).silent
+
+
 def test_unsure_or_looping_rows_fall_back_until_the_last_temperature(tok) -> None:
     w = window([(1.0, 4.0)])
     unsure = row(tok, [(1.0, 4.0, " Ask not what your country.", -1.6)])
@@ -168,8 +190,9 @@ def test_fallback_rules_and_the_best_attempt(tok) -> None:
     unsure = row(tok, [(0.0, 3.0, words, -1.6)])
     less_unsure = row(tok, [(0.0, 3.0, words, -1.2)])
     assert needs_fallback(unsure, text, POLICY)
-    # Likely no speech and unsure: silence, which never falls back.
-    assert not needs_fallback(row(tok, [(0.0, 3.0, words, -1.6)], no_speech=0.9), text, POLICY)
+    # Likely no speech and unsure: silence, which never falls back (the judge's word).
+    silent = row(tok, [(0.0, 3.0, words, -1.6)], no_speech=0.9)
+    assert judge(window([(0.0, 3.0)]), [silent], POLICY, tok).silent
     looping = row(tok, [(0.0, 3.0, words * 8, -0.05)], looped=True)
     # Among those that are not repetitive, the best average log-prob (faster-whisper's rule).
     candidates = [looping, unsure, less_unsure, unsure]
