@@ -183,6 +183,19 @@ def test_fused_decode_attention_matches_float64_and_sdpa(b, h, s, d, dtype, keys
         assert out.stride() == kernels._blocked(q, k, v, None, False).stride()
 
 
+def test_the_fused_call_is_a_named_range_under_the_profiler():
+    """torch.profiler cannot see a ctypes call: under it, the C kernel's time is a range
+    named with its key count (scripts/step_profile.py groups by it); the same result."""
+    native_built()
+    q, k, v = qkv(2, 3, 1, 37, 16, torch.float32)
+    plain = kernels._fused(q, k, v, None, False)
+    with torch.profiler.profile() as prof:
+        profiled = kernels._fused(q, k, v, None, False)
+    names = [e.name for e in prof.events()]
+    assert names.count(f"{kernels.FUSED_RANGE}37") == 1, names
+    assert torch.equal(plain, profiled)
+
+
 def test_fused_runs_blocked_attention_where_it_does_not_apply(monkeypatch):
     """A mask, a causal call, more than one query, another dtype, bf16 keys by column,
     and any call where the library is absent: blocked attention, bit for bit."""

@@ -34,6 +34,7 @@ writes anything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -215,13 +216,21 @@ def _fused(q, k, v, mask, causal):
         return _blocked(q, k, v, mask, causal)
     b, h, _, d = q.shape
     out = q.new_empty((b, 1, h, d)).transpose(1, 2)  # as _blocked's: heads merge as a view
-    getattr(lib, name)(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-        b, h, k.shape[-2], d,
-        native.strides(q, 2), native.strides(k, 4), native.strides(v, 3), native.strides(out, 2),
-        d**-0.5, torch.get_num_threads(),
-    )  # fmt: skip
+    # torch.profiler sees no C call made through ctypes: under it, the call is a named
+    # range, its key count in the name (scripts/step_profile.py tells cross-attention by it).
+    profiled = torch._C._autograd._profiler_enabled()
+    with torch.profiler.record_function(f"{FUSED_RANGE}{k.shape[-2]}") if profiled else _NO_RANGE:
+        getattr(lib, name)(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+            b, h, k.shape[-2], d,
+            native.strides(q, 2), native.strides(k, 4), native.strides(v, 3),
+            native.strides(out, 2), d**-0.5, torch.get_num_threads(),
+        )  # fmt: skip
     return out
+
+
+FUSED_RANGE = "whisper_cli::fused_attention/S"  # + the call's key count
+_NO_RANGE = contextlib.nullcontext()
 
 
 def _native():
