@@ -21,8 +21,12 @@ It prints, per question:
           tokens, and in the gaps between segments; then the reference words found with
           the rule on and off (-> segment_speech_seconds, segment_speech_per_token_seconds,
           gap_speech_seconds)
+  cuts    with the map on, long readings whose windows are cut inside speech: the words
+          lost and invented at each slack for a window its end cut off, and the windows
+          judged silent (-> cut_end_slack_seconds)
 
     python scripts/calibrate_speech.py [--model models/tiny.en] [--model models/base]
+        [--only detector|text|ends|spans|cuts]
 """
 
 from __future__ import annotations
@@ -325,8 +329,13 @@ def onsets_and_short(items: list[dict], detector, policy: Policy) -> None:
 # --- through the pipeline -----------------------------------------------------------------------
 
 
+def normalised(text: str) -> str:
+    """Lower-case words, punctuation dropped."""
+    return " ".join("".join(c.lower() if c.isalnum() else " " for c in text).split())
+
+
 def words_of(text: str) -> set[str]:
-    return {w for w in "".join(c.lower() if c.isalnum() else " " for c in text).split()}
+    return set(normalised(text).split())
 
 
 def decoded(model: str, items: list[dict], policy: Policy, vad: bool, tmp: Path) -> list[tuple]:
@@ -522,10 +531,6 @@ def long_readings() -> list[dict]:
     return items
 
 
-def _norm(text: str) -> str:
-    return " ".join("".join(c.lower() if c.isalnum() else " " for c in text).split())
-
-
 def cut_evidence(
     model: str, tmp: Path, slacks: tuple[float, ...] = (0.5, 0.35, 0.25, 0.15, 0.0)
 ) -> None:
@@ -570,7 +575,7 @@ def cut_evidence(
             finally:
                 pipeline.judge = real
             for n, result in zip(chosen, results, strict=True):
-                ref, hyp = _norm(items[n]["reference"]), _norm(result.text)
+                ref, hyp = normalised(items[n]["reference"]), normalised(result.text)
                 out = jiwer.process_words(ref, hyp)
                 deleted += out.deletions
                 inserted += out.insertions
