@@ -76,7 +76,7 @@ def attention_case(kernel: str, heads: int, dtype: torch.dtype):
     else:  # one query: memory-bound, GB/s of keys and values read
         rate = (2 * k.numel() * k.element_size(), "GB/s")
     shape = f"B{b} H{heads} T{t} S{s}"
-    call = (b, heads, t, s, HEAD_DIM, "none")
+    call = (heads, t, s, HEAD_DIM, "none")
     return impls, (lambda: planned("attention", dtype, call)), rate, shape, "sdpa"
 
 
@@ -89,7 +89,7 @@ def logits_case(d_model: int, dtype: torch.dtype):
     impls["transposed-copy(info)"] = lambda: hidden @ weight_t
     rate = (weight.numel() * weight.element_size(), "GB/s")  # the table, read once
     shape = f"M{BATCH} C{d_model} V{VOCAB}"
-    call = (BATCH, VOCAB, d_model)
+    call = (VOCAB, d_model)
     return impls, (lambda: planned("logits", dtype, call, weight)), rate, shape, "matmul"
 
 
@@ -103,7 +103,7 @@ def linear_case(d_model: int, dtype: torch.dtype, rows: int):
     else:
         rate = (weight.numel() * weight.element_size(), "GB/s")
     shape = f"M{rows} K{d_model} N{4 * d_model}"
-    call = (rows, 4 * d_model, d_model)
+    call = (4 * d_model, d_model, "frames" if rows >= kernels.ENCODER_ROWS else "tokens")
     return impls, (lambda: planned("linear", dtype, call, weight)), rate, shape, "linear"
 
 

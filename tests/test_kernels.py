@@ -273,11 +273,9 @@ def test_native_library_is_built_once_and_absent_where_it_cannot_build(tmp_path,
 def test_transposed_keys_are_a_class_of_their_own(monkeypatch):
     """The same call on keys stored by column is timed and chosen apart, on keys laid out
     so; the class of keys by rows keeps its name (and its cached choice)."""
-    rows = kernels.OPS["attention"].shape_class(torch.float32, 16, 6, 1, 1500, 64, "none")
-    cols = kernels.OPS["attention"].shape_class(
-        torch.float32, 16, 6, 1, 1500, 64, "none", "transposed"
-    )
-    assert rows.name == "attention/f32/decode/B16xH6xT1xS1536xD64/none"
+    rows = kernels.OPS["attention"].shape_class(torch.float32, 6, 1, 1500, 64, "none")
+    cols = kernels.OPS["attention"].shape_class(torch.float32, 6, 1, 1500, 64, "none", "transposed")
+    assert rows.name == "attention/f32/decode/H6xT1xS1536xD64/none"
     assert cols.name == rows.name + "/keys-transposed"
     seen = []
     for name in cols.candidates:
@@ -451,7 +449,7 @@ def test_f32_conv_is_never_timed_and_f32_linear_only_beside_packed(tmp_path, mon
     x, weight = torch.randn(4, 1, 32), torch.randn(48, 32)
     mel, conv = torch.randn(1, 8, 40), torch.randn(16, 8, 3)
     calls = [
-        call("linear", 4, 48, 32, weight=weight),
+        call("linear", 48, 32, "tokens", weight=weight),
         call("conv1d", 8, 16, 3, 40, 2, 1, weight=conv),
     ]
     plan = plan_of(calls, torch.float32)
@@ -468,30 +466,30 @@ def test_f32_conv_is_never_timed_and_f32_linear_only_beside_packed(tmp_path, mon
 def test_linear_and_conv_choices_are_timed_and_saved(tmp_path):
     weight, conv = torch.randn(48, 32).bfloat16(), torch.randn(16, 8, 3).bfloat16()
     calls = [
-        call("linear", 5, 48, 32, weight=weight),
+        call("linear", 48, 32, "tokens", weight=weight),
         call("conv1d", 8, 16, 3, 40, 2, 1, weight=conv),
     ]
     plan = plan_of(calls, torch.bfloat16)
     saved = entries(tmp_path / "kernels.json")
     names = sorted(key.split("|")[-1] for key in saved)
-    assert names == ["conv1d/bf16/Cin8xCout16xW3xL64/s2p1", "linear/bf16/M8xN48xK32"]
+    assert names == ["conv1d/bf16/Cin8xCout16xW3xL64/s2p1", "linear/bf16/N48xK32/tokens"]
     assert sorted(plan.timed) == names
     timed = {n for e in saved.values() for n in e["ms"]}
     linear = kernels.upcast_candidates("linear", torch.bfloat16)
     assert timed == {"conv", *linear} and "f32-upcast" in linear
     if kernels.packable(torch.float32):  # f32 linear layers: the reference and packed
-        plan = plan_of([call("linear", 5, 48, 32, weight=weight.float())], torch.float32)
-        key = "linear/f32/M8xN48xK32"
+        plan = plan_of([call("linear", 48, 32, "tokens", weight=weight.float())], torch.float32)
+        key = "linear/f32/N48xK32/tokens"
         assert plan.timed == {key}
         assert set(plan.ms[key]) == {"linear", "packed"}
 
 
 def test_a_plan_times_once_and_writes_the_cache(tmp_path, monkeypatch):
-    plan = plan_of([call("attention", 2, 2, 1, 40, 16, "none")], torch.bfloat16)
+    plan = plan_of([call("attention", 2, 1, 40, 16, "none")], torch.bfloat16)
     saved = entries(tmp_path / "kernels.json")
     (key, entry), *more = saved.items()
     assert not more
-    assert key.endswith("|attention/bf16/decode/B2xH2xT1xS64xD16/none")
+    assert key.endswith("|attention/bf16/decode/H2xT1xS64xD16/none")
     assert f"threads={torch.get_num_threads()}" in key and kernels.cpu_model() in key
     assert set(entry["ms"]) == set(kernels.attention_candidates("decode", torch.bfloat16))
     ms = entry["ms"]
@@ -501,9 +499,9 @@ def test_a_plan_times_once_and_writes_the_cache(tmp_path, monkeypatch):
 
     # The same class (S 40 and 50 -> 64), in this plan and in the next one: no new timing.
     monkeypatch.setattr(kernels, "time_candidates", no_timing)
-    again = plan_of([call("attention", 2, 2, 1, 50, 16, "none")], torch.bfloat16)
+    again = plan_of([call("attention", 2, 1, 50, 16, "none")], torch.bfloat16)
     assert again.choices == plan.choices and not again.timed
-    assert again.choice("attention", torch.bfloat16, 2, 2, 1, 50, 16, "none") == entry["choice"]
+    assert again.choice("attention", torch.bfloat16, 2, 1, 50, 16, "none") == entry["choice"]
     assert entries(tmp_path / "kernels.json") == saved
 
 
@@ -574,18 +572,18 @@ def test_a_plan_from_a_given_cache_file_yields_its_choices(tmp_path, monkeypatch
     bf16 = torch.bfloat16
     weight, conv = torch.randn(48, 32).to(bf16), torch.randn(16, 8, 3).to(bf16)
     forged = {
-        "attention/bf16/decode/B2xH2xT1xS64xD16/none": "blocked",
-        "attention/bf16/prefill/B2xH2xT64xS64xD16/causal": "matmul",
-        "logits/bf16/M8xV48xC32": "f32-blocks",
-        "linear/bf16/M8xN48xK32": "f32-upcast",
+        "attention/bf16/decode/H2xT1xS64xD16/none": "blocked",
+        "attention/bf16/prefill/H2xT64xS64xD16/causal": "matmul",
+        "logits/bf16/V48xC32": "f32-blocks",
+        "linear/bf16/N48xK32/tokens": "f32-upcast",
         "conv1d/bf16/Cin8xCout16xW3xL64/s2p1": "f32-upcast",
     }
     forge(tmp_path / "kernels.json", forged, bf16)
     calls = [
-        call("attention", 2, 2, 1, 40, 16, "none"),
-        call("attention", 2, 2, 5, 5, 16, "causal"),
-        call("logits", 5, 48, 32, weight=weight),
-        call("linear", 5, 48, 32, weight=weight),
+        call("attention", 2, 1, 40, 16, "none"),
+        call("attention", 2, 5, 5, 16, "causal"),
+        call("logits", 48, 32, weight=weight),
+        call("linear", 48, 32, "tokens", weight=weight),
         call("conv1d", 8, 16, 3, 40, 2, 1, weight=conv),
     ]
     plan = plan_of(calls, bf16)
@@ -612,18 +610,18 @@ def test_a_plan_from_a_given_cache_file_yields_its_choices(tmp_path, monkeypatch
 
 
 def test_a_class_the_plan_lacks_runs_the_reference(monkeypatch):
-    """A shape outside the plan (a larger batch than it was made for) is never timed."""
+    """A shape outside the plan (a longer text than it was made for) is never timed."""
     monkeypatch.setattr(kernels, "time_candidates", no_timing)
-    plan = plan_of([call("attention", 2, 2, 1, 40, 16, "none")], torch.float32, mode="matmul")
-    assert plan.choice("attention", torch.float32, 2, 2, 1, 40, 16, "none") == "matmul"
+    plan = plan_of([call("attention", 2, 1, 40, 16, "none")], torch.float32, mode="matmul")
+    assert plan.choice("attention", torch.float32, 2, 1, 40, 16, "none") == "matmul"
     auto = kernels.KernelPlan("auto", "cpu", torch.float32, torch.get_num_threads())
-    assert auto.choice("attention", torch.float32, 64, 2, 1, 40, 16, "none") == "sdpa"
-    assert auto.choice("logits", torch.float32, 3, 100, 32) == "matmul"
-    assert auto.choice("linear", torch.bfloat16, 3, 100, 32) == "linear"
+    assert auto.choice("attention", torch.float32, 2, 1, 400, 16, "none") == "sdpa"
+    assert auto.choice("logits", torch.float32, 100, 32) == "matmul"
+    assert auto.choice("linear", torch.bfloat16, 100, 32, "tokens") == "linear"
 
 
 def test_a_malformed_entry_is_timed_again(tmp_path):
-    calls = [call("attention", 2, 2, 1, 40, 16, "none")]
+    calls = [call("attention", 2, 1, 40, 16, "none")]
     plan_of(calls, torch.float32)
     path = tmp_path / "kernels.json"
     key = next(iter(entries(path)))
@@ -635,7 +633,7 @@ def test_a_malformed_entry_is_timed_again(tmp_path):
 def test_a_choice_among_other_candidates_is_timed_again(tmp_path):
     """A cached choice timed before a candidate joined is timed again, among all."""
     weight = torch.randn(300, 32).bfloat16()
-    calls = [call("logits", 4, 300, 32, weight=weight)]
+    calls = [call("logits", 300, 32, weight=weight)]
     plan_of(calls, torch.bfloat16)
     path = tmp_path / "kernels.json"
     saved = entries(path)
@@ -649,7 +647,7 @@ def test_a_choice_among_other_candidates_is_timed_again(tmp_path):
 def test_thread_count_is_part_of_the_key(tmp_path):
     """A plan is made for the thread count of its load: another count, other entries."""
     threads = torch.get_num_threads()
-    calls = [call("attention", 2, 2, 1, 40, 16, "none")]
+    calls = [call("attention", 2, 1, 40, 16, "none")]
     try:
         first = plan_of(calls, torch.float16)
         torch.set_num_threads(1 if threads > 1 else 2)
@@ -661,38 +659,13 @@ def test_thread_count_is_part_of_the_key(tmp_path):
     assert first.threads == threads != second.threads and first.timed and second.timed
 
 
-def test_same_calls_are_timed_once(monkeypatch):
-    """Classes whose timing would run the same calls (the encoder's batch classes, cut to
-    TIMING_ELEMENTS) share one timing."""
-    timings = []
-    real = kernels.time_candidates
-    monkeypatch.setattr(kernels, "time_candidates", lambda c: timings.append(1) or real(c))
-    monkeypatch.setattr(kernels, "TIMING_ELEMENTS", 4 * 520 * 16)  # one window per timing
-    plan = plan_of(
-        [call("attention", b, 4, 520, 520, 16, "none") for b in (1, 2, 4)], torch.float32
-    )
-    assert len(plan.choices) == 3 and len(plan.timed) == 3 and len(timings) == 1
-    assert len(set(plan.choices.values())) == 1
-
-
 def test_logits_choice_is_timed_and_saved(tmp_path):
     hidden, weight = torch.randn(16, 1, 32), torch.randn(3000, 32)
-    plan = plan_of([call("logits", 16, 3000, 32, weight=weight)], torch.float32)
+    plan = plan_of([call("logits", 3000, 32, weight=weight)], torch.float32)
     torch.testing.assert_close(kernels.logits(hidden, weight, plan), hidden @ weight.T)
     (key, entry), *_ = entries(tmp_path / "kernels.json").items()
-    assert key.endswith("logits/f32/M16xV3000xC32")
+    assert key.endswith("logits/f32/V3000xC32")
     assert set(entry["ms"]) == set(kernels.logits_candidates(torch.float32))
-
-
-def test_gemm_rows_are_classed_alike_past_the_encoder_rows():
-    """Linear layers, int8 ones and the projection: rows by powers of two up to
-    ENCODER_ROWS, then one class."""
-    for op in ("linear", "int8-linear", "logits"):
-        names = {
-            kernels.OPS[op].shape_class(torch.bfloat16, m, 100, 32).name
-            for m in (kernels.ENCODER_ROWS, 513, 1500, 16 * 1500)
-        }
-        assert len(names) == 1 and f"/M{kernels.ENCODER_ROWS}x" in names.pop()
 
 
 @pytest.mark.parametrize(
@@ -712,7 +685,7 @@ def test_unwritable_or_bad_cache_never_fails_the_load(tmp_path, content):
         path = tmp_path / "bad.json"
         path.write_text(content)
     q, k, v = qkv(2, 2, 1, 40, 16, torch.float32)
-    plan = plan_of([call("attention", 2, 2, 1, 40, 16, "none")], torch.float32, path=path)
+    plan = plan_of([call("attention", 2, 1, 40, 16, "none")], torch.float32, path=path)
     assert len(plan.choices) == 1 and plan.timed  # measured and kept in the plan all the same
     out = kernels.attention(q, k, v, plan=plan)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
@@ -744,21 +717,19 @@ def test_override_forces_kernels_without_timing(tmp_path, monkeypatch, mode, f32
     weight = torch.randn(100, 32)
     for dtype, want in ((torch.float32, f32), (torch.bfloat16, bf16)):
         q, k, _ = qkv(2, 2, 1, 40, 16, dtype)
-        plan = plan_of([call("attention", 2, 2, 1, 40, 16, "none")], dtype)
-        assert (
-            plan.mode == mode and plan.choice("attention", dtype, 2, 2, 1, 40, 16, "none") == want
-        )
+        plan = plan_of([call("attention", 2, 1, 40, 16, "none")], dtype)
+        assert plan.mode == mode and plan.choice("attention", dtype, 2, 1, 40, 16, "none") == want
         assert kernels.attention(q, k, k, plan=plan).dtype == dtype
-    plan = plan_of([call("logits", 4, 100, 32, weight=weight)], torch.float32)
-    assert plan.choice("logits", torch.float32, 4, 100, 32) == logits
+    plan = plan_of([call("logits", 100, 32, weight=weight)], torch.float32)
+    assert plan.choice("logits", torch.float32, 100, 32) == logits
     assert not (tmp_path / "kernels.json").exists()
 
 
 def test_off_the_cpu_the_plan_is_the_reference(monkeypatch):
     monkeypatch.setattr(kernels, "time_candidates", no_timing)
-    plan = plan_of([call("attention", 2, 2, 1, 40, 16, "none")], torch.float32, device="meta")
+    plan = plan_of([call("attention", 2, 1, 40, 16, "none")], torch.float32, device="meta")
     assert plan.mode == "reference" and plan.choices == {
-        "attention/f32/decode/B2xH2xT1xS64xD16/none": "sdpa"
+        "attention/f32/decode/H2xT1xS64xD16/none": "sdpa"
     }
 
 
@@ -786,8 +757,8 @@ def test_inference_mode_and_no_grad(tmp_path):
     for ctx in (torch.inference_mode, torch.no_grad):
         (tmp_path / "kernels.json").unlink(missing_ok=True)
         with ctx():
-            calls = [call("attention", *shape, "none") for shape in SHAPES.values()]
-            calls.append(call("logits", 16, 500, 32, weight=torch.randn(500, 32)))
+            calls = [call("attention", *shape[1:], "none") for shape in SHAPES.values()]
+            calls.append(call("logits", 500, 32, weight=torch.randn(500, 32)))
             plan = plan_of(calls, torch.bfloat16)
             for shape in SHAPES.values():
                 q, k, v = qkv(*shape, torch.bfloat16)
@@ -797,7 +768,7 @@ def test_inference_mode_and_no_grad(tmp_path):
 
 def test_plan_is_reported():
     plan = plan_of(
-        [call("attention", 2, 2, 1, 40, 16, "none"), call("attention", 2, 2, 1, 100, 16, "none")],
+        [call("attention", 2, 1, 40, 16, "none"), call("attention", 2, 1, 100, 16, "none")],
         torch.float32,
         mode="matmul",
     )
@@ -806,8 +777,8 @@ def test_plan_is_reported():
     assert plan.summary() == f"{head}: attention matmul x2"
     report = plan.report()
     assert report["choices"] == {
-        "attention/f32/decode/B2xH2xT1xS128xD16/none": "matmul",
-        "attention/f32/decode/B2xH2xT1xS64xD16/none": "matmul",
+        "attention/f32/decode/H2xT1xS128xD16/none": "matmul",
+        "attention/f32/decode/H2xT1xS64xD16/none": "matmul",
     }
     assert report["mode"] == "matmul" and report["dtype"] == "f32" and report["timed_now"] == 0
     json.dumps(report)
@@ -868,6 +839,59 @@ def test_a_model_built_with_a_plan_runs_its_choices(random_dir, monkeypatch):
         monkeypatch.setitem(table, reference, no_timing)  # the reference must not run
     run_forward(loaded)
     assert len(ran) == 4
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantize"), [("f32", "none"), ("bf16", "none"), ("f32", "int8")]
+)
+def test_the_kernels_a_row_runs_do_not_depend_on_its_batch(
+    random_dir, dtype, quantize, monkeypatch
+):
+    """Implementations round differently, so a row's text would depend on the rows that
+    share its batch if a choice did. Each class's choice drawn at random (timings faked):
+    a window's encoder pass, prompt and step run the same implementation call by call alone
+    and beside two other windows, and give that window the same logits."""
+    import random
+
+    from whisper_cli.dtypes import resolve_policy
+    from whisper_cli.loading import load_model
+
+    draw = random.Random(0)
+    monkeypatch.setattr(
+        kernels, "time_candidates", lambda runs: {n: (draw.random(), True) for n in runs}
+    )
+    loaded = load_model(str(random_dir), resolve_policy(dtype, "cpu", quantize))
+    model = loaded.model
+    assert model.plan.mode == "auto" and len(set(model.plan.choices.values())) >= 3
+    # Each call as (implementation, its weight) or, for attention, (implementation, query
+    # and key lengths); a set, as a batch's encoder runs in more row tiles.
+    ran: set[tuple] = set()
+
+    def site(a: tuple) -> object:
+        return id(a[1]) if a[1].dim() != 4 else (a[0].shape[2], a[1].shape[2])
+
+    tables = (kernels.ATTENTION, kernels.LOGITS, kernels.LINEAR, kernels.CONV1D)
+    for table in (*tables, kernels.INT8_LINEAR):
+        for name, real in list(table.items()):
+            monkeypatch.setitem(
+                table, name, lambda *a, n=name, f=real, **k: ran.add((n, site(a))) or f(*a, **k)
+            )
+
+    def step_logits(mel: torch.Tensor) -> tuple[torch.Tensor, set[tuple]]:
+        ran.clear()
+        with torch.inference_mode():
+            caches = model.decoder.new_caches(model.encoder(mel), 16)
+            tokens = torch.full((mel.shape[0], 3), loaded.tokenizer.special.sot)
+            model.decoder(tokens, torch.arange(3), caches, Extent(3))
+            step = model.decoder(tokens[:, :1], torch.tensor([3]), caches, Extent(4))[:, 0]
+        return step, set(ran)
+
+    torch.manual_seed(0)
+    mel = torch.randn(3, loaded.config.num_mel_bins, 3000).to(model.dtype)
+    alone, alone_ran = step_logits(mel[:1])
+    batched, batched_ran = step_logits(mel)
+    assert batched_ran == alone_ran and len({n for n, _ in alone_ran}) >= 3
+    torch.testing.assert_close(batched[:1], alone)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
@@ -1097,10 +1121,10 @@ def test_each_int8_linear_computes_every_row_on_its_own(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_int8_linear_runs_many_rows_in_tiles_of_the_timed_class(dtype, monkeypatch):
+def test_int8_linear_runs_many_rows_in_tiles(dtype, monkeypatch):
     """An encoder-sized call (2 windows of 1500 rows, and 513 rows) hands each kernel at
-    most INT8_TILE_ROWS rows at a time, in the row class of the whole call, and its result
-    is the kernel's untiled result bit for bit, in x's dtype; with a plan and without."""
+    most INT8_TILE_ROWS rows at a time, and its result is the kernel's untiled result bit
+    for bit, in x's dtype; with a plan and without."""
     weight, scale, bias = int8_layer(n=80, k=96)
     b = bias.to(dtype)
     seen: list[int] = []
@@ -1115,8 +1139,9 @@ def test_int8_linear_runs_many_rows_in_tiles_of_the_timed_class(dtype, monkeypat
     names = kernels.int8_candidates(dtype)
     for name in names:
         monkeypatch.setitem(kernels.INT8_LINEAR, name, recording(kernels.INT8_LINEAR[name]))
-    plans = {name: plan_of([call("int8-linear", 3000, 80, 96)], dtype, mode=name) for name in names}
-    shape_class = kernels.OPS["int8-linear"].shape_class
+    plans = {
+        name: plan_of([call("int8-linear", 80, 96, "frames")], dtype, mode=name) for name in names
+    }
     for lead in ((2, 1500), (513,)):
         x = gelu_rows(math.prod(lead), 96, 14, dtype).view(*lead, 96)
         x[..., ::2, :] *= -1
@@ -1130,93 +1155,22 @@ def test_int8_linear_runs_many_rows_in_tiles_of_the_timed_class(dtype, monkeypat
             out = kernels.int8_linear(x, weight, scale, b, plan)
             assert out.dtype == dtype and torch.equal(out, untiled), (name, lead)
             assert sum(seen) == m and max(seen) <= kernels.INT8_TILE_ROWS, (name, seen)
-            if m > 513:
-                tiles = {shape_class(dtype, rows, 80, 96).name for rows in seen}
-                assert tiles == {shape_class(dtype, m, 80, 96).name}, (name, seen)
-
-
-def test_the_row_classes_of_one_weight_hold_one_copy_of_it(tmp_path):
-    """Linear layers: a weight's classes share one copy of it (packed, f32-packed or the
-    f32 upcast): the one its largest class chose; a smaller class that timed another copy
-    fastest takes the fastest of the rest (the reference on a tie within the margin)."""
-    cands = kernels.upcast_candidates("linear", torch.bfloat16)
-    if "packed" not in cands:
-        pytest.skip("oneDNN packs no bf16 weights on this CPU")
-    prefix = f"{kernels._machine()}|threads={torch.get_num_threads()}|"
-    timed = {
-        "M512xN80xK96": {"linear": 9.0, "f32-upcast": 8.0, "packed": 5.0, "f32-packed": 6.0},
-        "M1xN80xK96": {"linear": 1.0, "f32-upcast": 0.3, "packed": 0.5, "f32-packed": 0.4},
-        "M16xN80xK96": {"linear": 0.5, "f32-upcast": 0.2, "packed": 0.6, "f32-packed": 0.1},
-        "M1xN48xK96": {"linear": 1.0, "f32-upcast": 0.3, "packed": 0.5, "f32-packed": 0.4},
-    }
-    data = {}
-    for name, times in timed.items():
-        ms = {n: times[n] for n in cands}
-        data[f"{prefix}linear/bf16/{name}"] = {"choice": min(ms, key=ms.get), "ms": ms}
-    path = tmp_path / "kernels.json"
-    path.write_text(json.dumps({"version": kernels.CACHE_VERSION, "entries": data}))
-    calls = [call("linear", m, n, 96) for m, n in ((512, 80), (1, 80), (16, 80), (1, 48))]
-    plan = plan_of(calls, torch.bfloat16, path=path)
-    chosen = {name.split("/")[-1]: choice for name, choice in plan.choices.items()}
-    assert chosen == {
-        "M512xN80xK96": "packed",
-        "M1xN80xK96": "packed",  # no f32 copy made for one row class
-        "M16xN80xK96": "linear",  # packed is not 5% faster than the reference
-        "M1xN48xK96": "f32-upcast",  # a weight of its own keeps its choice
-    }
-
-
-def test_int8_layers_of_one_shape_hold_one_packed_form(tmp_path):
-    """Classes of one weight shape share the packed form its largest class chose: a smaller
-    class that timed the other packed form fastest takes the fastest of the rest; a shape
-    of its own keeps its choice; the cache keeps every timed choice."""
-    cands = kernels.int8_candidates(torch.float32)
-    if not {"fbgemm", "onednn"} <= set(cands):
-        pytest.skip("needs both packed int8 kernels")
-    prefix = f"{kernels._machine()}|threads={torch.get_num_threads()}|"
-    timed = {  # class -> ms of dequant, fbgemm, onednn, weight-only
-        "M512xN80xK96": (9.0, 5.0, 2.0, 8.0),
-        "M1xN80xK96": (1.0, 0.3, 0.5, 0.6),
-        "M2xN80xK96": (1.0, 0.3, 0.9, 0.4),
-        "M16xN80xK96": (1.0, 0.9, 0.8, 0.2),
-        "M1xN48xK96": (1.0, 0.3, 0.5, 0.6),
-    }
-    data = {}
-    for name, times in timed.items():
-        ms = dict(zip(("dequant", "fbgemm", "onednn", "weight-only"), times, strict=True))
-        ms = {n: ms[n] for n in cands}
-        data[f"{prefix}int8-linear/f32/{name}"] = {"choice": min(ms, key=ms.get), "ms": ms}
-    path = tmp_path / "kernels.json"
-    path.write_text(json.dumps({"version": kernels.CACHE_VERSION, "entries": data}))
-    calls = [call("int8-linear", m, n, 96) for m, n in ((512, 80), (1, 80), (2, 80), (16, 80))]
-    plan = plan_of([*calls, call("int8-linear", 1, 48, 96)], torch.float32, path=path)
-    chosen = {name.split("/")[-1]: choice for name, choice in plan.choices.items()}
-    assert chosen == {
-        "M512xN80xK96": "onednn",
-        "M1xN80xK96": "onednn",  # fbgemm's form is not made for one row class
-        "M2xN80xK96": "weight-only",
-        "M16xN80xK96": "weight-only",
-        "M1xN48xK96": "fbgemm",
-    }
-    assert {name.split("/")[-1]: e["choice"] for name, e in entries(path).items()} == {
-        name: min(e["ms"], key=e["ms"].get) for name, e in zip(timed, data.values(), strict=True)
-    }
 
 
 def test_int8_choices_are_timed_and_saved_and_the_reference_runs_while_compiling(
     tmp_path, monkeypatch
 ):
     weight, scale, bias = int8_layer()
-    plan = plan_of([call("int8-linear", 5, 80, 96, weight=weight)], torch.bfloat16)
+    plan = plan_of([call("int8-linear", 80, 96, "tokens", weight=weight)], torch.bfloat16)
     saved = entries(tmp_path / "kernels.json")
     (key, entry), *more = saved.items()
-    assert not more and key.endswith("int8-linear/bf16/M8xN80xK96")
+    assert not more and key.endswith("int8-linear/bf16/N80xK96/tokens")
     assert set(entry["ms"]) == set(kernels.int8_candidates(torch.bfloat16))
-    assert plan.choices == {"int8-linear/bf16/M8xN80xK96": entry["choice"]}
+    assert plan.choices == {"int8-linear/bf16/N80xK96/tokens": entry["choice"]}
     x = torch.randn(5, 1, 96).bfloat16()
     out = kernels.int8_linear(x, weight, scale, bias.bfloat16(), plan)
     assert out.dtype == torch.bfloat16 and out.shape == (5, 1, 80)
-    assert plan.choice("int8-linear", torch.bfloat16, 7, 80, 96) == entry["choice"]  # same class
+    assert plan.choice("int8-linear", torch.bfloat16, 80, 96, "tokens") == entry["choice"]
     compiled = torch.compile(kernels.int8_linear, backend="eager", fullgraph=True)
     x32 = torch.randn(3, 96)
     want = kernels.INT8_LINEAR["dequant"](x32, weight, scale, bias)

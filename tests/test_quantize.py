@@ -178,12 +178,11 @@ def test_the_flag_reaches_the_policy(monkeypatch):
 def test_each_int8_layer_holds_the_forms_its_plan_chose_and_a_forward_makes_none(
     kernels_mode, tmp_path, monkeypatch
 ):
-    """Through load_model: a kernel cache that names the weight-only kernel for calls of up
-    to 4 rows, oneDNN for the encoder's class (512 rows and more) and the dequantizing
-    reference (no form) in between; every layer holds the forms of exactly the choices for
-    the rows it is called with (the encoder's layers oneDNN's, the decoder's both), and a
-    forward pass hands the kernels those, making none. (A second packed form, fbgemm's,
-    is never made beside oneDNN's: test_kernels.)"""
+    """Through load_model: a kernel cache that names the weight-only kernel for layers over
+    text tokens and oneDNN for layers over audio frames; every layer holds the form of
+    exactly its own choice (the encoder's and the cross-attention keys' and values' layers
+    oneDNN's, the decoder's others and the projection the bfloat16 scales), and a forward
+    pass hands the kernels those, making none."""
     from whisper_cli.audio import load_audio
     from whisper_cli.dtypes import encoder_input
     from whisper_cli.features import batch_log_mel
@@ -197,11 +196,10 @@ def test_each_int8_layer_holds_the_forms_its_plan_chose_and_a_forward_makes_none
         patch.setattr(kernels, "time_candidates", lambda runs: {n: (1.0, True) for n in runs})
         int8_model("tiny.en")
     data = json.loads(cache.read_text())
-    rows_of = {"M1x": "weight-only", "M2x": "weight-only", "M4x": "weight-only", "M512x": "onednn"}
+    rows_of = {"tokens": "weight-only", "frames": "onednn"}
     for key, entry in data["entries"].items():
         if "|int8-linear/" in key:
-            rows = key.split("/")[2].split("N")[0]
-            entry["choice"] = rows_of.get(rows, "dequant")
+            entry["choice"] = rows_of[key.split("/")[-1]]
     cache.write_text(json.dumps(data))
 
     loaded = int8_model("tiny.en")
@@ -209,8 +207,11 @@ def test_each_int8_layer_holds_the_forms_its_plan_chose_and_a_forward_makes_none
     assert not model.plan.timed  # every choice read from the cache above
     layers = {n: m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
     for name, layer in layers.items():
-        want = {"onednn"} if name.startswith("encoder.") else {"weight-only", "onednn"}
-        assert set(layer.forms) == want, name
+        cross_kv = name.endswith(("encoder_attn.k_proj", "encoder_attn.v_proj"))
+        frames = name.startswith("encoder.") or cross_kv
+        assert layer.rows == ("frames" if frames else "tokens"), name
+        assert set(layer.forms) == {rows_of[layer.rows]}, name
+    assert sum(layer.rows == "tokens" for layer in layers.values()) > 0
     held = {id(form) for layer in layers.values() for form in layer.forms.values()}
 
     ran = []
@@ -227,9 +228,8 @@ def test_each_int8_layer_holds_the_forms_its_plan_chose_and_a_forward_makes_none
     made = []
     monkeypatch.setattr(kernels, "int8_form", lambda *args: made.append(args))
     tok = loaded.tokenizer
-    tokens = torch.tensor([tok.prompt(None, "transcribe", False)])  # a few rows: weight-only
+    tokens = torch.tensor([tok.prompt(None, "transcribe", False)])  # weight-only
     t = tokens.shape[1]
-    assert t <= 4
     with torch.inference_mode():
         mel = batch_log_mel([load_audio(shared_clip("jfk.flac"))], 1, 80, torch.device("cpu"))
         features = model.encoder(encoder_input(mel, model.dtype))  # 1500 rows: oneDNN, tiled

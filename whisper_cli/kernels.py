@@ -17,6 +17,12 @@ Invariants:
   only looks its shape class up in memory: nothing in a forward pass times, reads or
   writes anything, and a model runs the same kernels for its whole life. A class outside
   the plan runs the reference.
+* No class depends on how many rows a call has: a batch's size, or which rows share it.
+  Implementations round differently, so a choice that changed with the rows would make a
+  row's text depend on its batch (measured: base on 10 min of speech, 42-46 words of its
+  sampled fallbacks differed between --batch-size 16, 5 and 1). A linear layer's class is
+  its weight's shape and what its rows are: text tokens (timed at TOKEN_ROWS) or audio
+  frames (the encoder and the cross-attention keys and values, timed at ENCODER_ROWS).
 * A choice in mode auto comes from the cache file (kernels_cache_path()), per CPU model,
   torch version, thread count, dtype and shape class; where it has none, from a timing of
   every candidate on synthetic inputs of that class (time_candidates), merged into the
@@ -71,13 +77,16 @@ SCORE_TILE_BYTES = 2 << 20
 UPCAST_TILE_BYTES = 16 << 20
 # Weight rows upcast per block by the "f32-blocks" vocabulary projection (a 2-5 MB buffer).
 LOGIT_BLOCK_ROWS = 1024
-# Queries at least this long are the encoder's shape class (the decoder has at most 448).
+# Queries at least this long are the encoder's shape class (the decoder has at most 448),
+# and the rows a GEMM over audio frames is timed at (per-row costs are flat there).
 ENCODER_ROWS = 512
+# The rows a GEMM over text tokens is timed at, and the batch attention is timed at: a
+# decode step of the default batch (options.py), where a run spends its decoder's time.
+TOKEN_ROWS = 16
 CONV_TIMING_LENGTH = 512  # frames a convolution is timed on (see _conv1d_shape)
 # The most rows an int8 linear kernel takes at once (int8_linear): a call of more runs in
-# equal tiles of 257-512 rows (256 and 257 for a call of 513), so in the class of
-# ENCODER_ROWS, the largest a plan times (_gemm_rows; per-row costs are flat there): each
-# tile runs the shape its choice was timed at. Each kernel's float32 temporaries are then
+# equal tiles of 257-512 rows (256 and 257 for a call of 513), near the ENCODER_ROWS a
+# plan times audio frames at. Each kernel's float32 temporaries are then
 # a few MB, where the encoder's whole call (1500 rows per window) made hundreds of MB of
 # them at batch 16.
 INT8_TILE_ROWS = ENCODER_ROWS
@@ -97,7 +106,7 @@ TIMING_MAX_REPS = 20
 TIMING_MIN_S = 0.05
 TIMING_CUTOFF = 4.0
 TIMING_MARGIN = 0.95
-CACHE_VERSION = 3  # a file of another version is read as empty (its choices timed again)
+CACHE_VERSION = 4  # a file of another version is read as empty (its choices timed again)
 
 
 # --- attention implementations ------------------------------------------------------
@@ -605,8 +614,6 @@ _INT8_PREPARE: dict[str, Callable[[Tensor, Tensor], object]] = {
     "onednn": _onednn_prepare,
     "weight-only": lambda weight, scale: scale.to(torch.bfloat16),  # the scales, in bf16
 }
-# The forms that are a packed copy of the whole weight, made at every load.
-_INT8_PACKED = frozenset({"fbgemm", "onednn"})
 
 
 def int8_form(name: str, weight: Tensor, scale: Tensor) -> object | None:
@@ -657,12 +664,12 @@ def attention(
     """
     if plan is None or torch.compiler.is_compiling():
         return _sdpa(q, k, v, mask, causal)
-    b, h, t, d = q.shape
+    _, h, t, d = q.shape
     kind = "causal" if causal else "none" if mask is None else "mask"
     # Keys stored by column (model.cross_keys_transposed) are a class of their own: which
     # implementation reads them fastest depends on it.
     keys = "transposed" if by_column(k) else "rows"
-    choice = plan.choice("attention", q.dtype, b, h, t, k.shape[-2], d, kind, keys)
+    choice = plan.choice("attention", q.dtype, h, t, k.shape[-2], d, kind, keys)
     return ATTENTION[choice](q, k, v, mask, causal)
 
 
@@ -670,18 +677,21 @@ def logits(hidden: Tensor, weight: Tensor, plan: KernelPlan | None = None) -> Te
     """(..., C) hidden states @ weight (V, C)^T -> (..., V), the tied vocabulary projection."""
     if plan is None or torch.compiler.is_compiling():
         return hidden @ weight.T
-    m = hidden.numel() // hidden.shape[-1]
-    return LOGITS[plan.choice("logits", hidden.dtype, m, *weight.shape)](hidden, weight)
+    return LOGITS[plan.choice("logits", hidden.dtype, *weight.shape)](hidden, weight)
 
 
 def linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, plan: KernelPlan | None = None
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    plan: KernelPlan | None = None,
+    rows: str = "tokens",
 ) -> Tensor:
-    """F.linear(x, weight, bias) by the implementation the plan names."""
+    """F.linear(x, weight, bias) by the implementation the plan names for a layer of this
+    weight over `rows` ("tokens" or "frames", see GEMM_ROWS)."""
     if plan is None or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
-    n, k = weight.shape
-    return LINEAR[plan.choice("linear", x.dtype, x.numel() // k, n, k)](x, weight, bias)
+    return LINEAR[plan.choice("linear", x.dtype, *weight.shape, rows)](x, weight, bias)
 
 
 def int8_linear(
@@ -691,9 +701,11 @@ def int8_linear(
     bias: Tensor | None = None,
     plan: KernelPlan | None = None,
     forms: dict[str, object] | None = None,
+    rows: str = "tokens",
 ) -> Tensor:
     """x (weight * scale)^T + bias for an int8 weight, by the implementation the plan names
-    (without one, the dequantizing reference), on its form of the weight from `forms` (the
+    for a layer over `rows` (see linear; without a plan, the dequantizing reference), on
+    its form of the weight from `forms` (the
     layer's, see quantize.prepare_forms); a form they lack (a class outside the plan in a
     forced mode) is made for this call only.
 
@@ -707,7 +719,7 @@ def int8_linear(
         return _int8_dequant(x, weight, scale, bias)
     n, k = weight.shape
     m = x.numel() // k
-    choice = "dequant" if plan is None else plan.choice("int8-linear", x.dtype, m, n, k)
+    choice = "dequant" if plan is None else plan.choice("int8-linear", x.dtype, n, k, rows)
     run = INT8_LINEAR[choice]
     form = forms.get(choice) if forms else None
     if form is None:
@@ -724,8 +736,8 @@ def int8_linear(
 
 def row_tiles(m: int, most: int) -> list[slice]:
     """m rows cut into the fewest equal tiles of at most `most` rows (sizes differ by one
-    at most): for most = ENCODER_ROWS, every tile of a longer call is in that row class
-    (257-512 rows; 256 and 257 for 513), the class a plan times for the encoder."""
+    at most): for most = ENCODER_ROWS, every tile of a longer call has 257-512 rows (256
+    and 257 for 513), near the rows a plan times audio frames at."""
     tiles = -(-m // most)
     return [slice(m * i // tiles, m * (i + 1) // tiles) for i in range(tiles)]
 
@@ -772,56 +784,44 @@ def _bucket(n: int) -> int:
     return 1 if n == 1 else 64 * math.ceil(n / 64)
 
 
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def _gemm_rows(m: int) -> int:
-    """Rows of a GEMM against a weight timed alike: powers of two up to ENCODER_ROWS, then
-    one class (costs per row are flat there), timed at ENCODER_ROWS: a slow reference's
-    one timed call (a new machine's first load) costs a third of a window's."""
-    return min(_pow2(m), ENCODER_ROWS)
-
-
-def _attention_timing(shape: tuple[int, ...]) -> tuple[int, int, int, int, int]:
-    """The shape a class of attention is timed at: the queries cut to two blocks and the
-    batch so that one K tensor, and the scores, hold at most TIMING_ELEMENTS (per-row
-    costs, not totals, are compared: timing the encoder of a batch of 16 windows costs
-    about one window's encoder attention per candidate)."""
-    b, h, t, s, d = shape
+def _attention_timing(h: int, t: int, s: int, d: int) -> tuple[int, int, int, int, int]:
+    """The shape a class of attention is timed at: the queries cut to two blocks, and
+    TOKEN_ROWS (batch, head) pairs cut so that one K tensor, and the scores, hold at most
+    TIMING_ELEMENTS (per-row costs, not totals, are compared: timing the encoder's
+    attention costs about one window's per candidate)."""
     t = min(t, 2 * BLOCK_ROWS)  # encoder: per-row costs of sdpa and blocked are flat in T
-    return max(1, min(b, TIMING_ELEMENTS // (h * s * max(d, t)))), h, t, s, d
+    return max(1, min(TOKEN_ROWS, TIMING_ELEMENTS // (h * s * max(d, t)))), h, t, s, d
 
 
-def _attention_shape(
-    dtype: torch.dtype, b, h, t, s, d, kind: str, keys: str = "rows"
-) -> ShapeClass:
-    """keys: "rows" ((B, H, S, D) storage) or "transposed" ((B, H, D, S), seen as rows)."""
+def _attention_shape(dtype: torch.dtype, h, t, s, d, kind: str, keys: str = "rows") -> ShapeClass:
+    """A call's class without its batch (see the invariants); keys: "rows" ((B, H, S, D)
+    storage) or "transposed" ((B, H, D, S), seen as rows)."""
     cls = attention_class(t)
-    shape = (_pow2(b), h, _bucket(t), _bucket(s), d)
-    name = "attention/{}/{}/B{}xH{}xT{}xS{}xD{}/{}".format(dtype_name(dtype), cls, *shape, kind)
+    shape = (h, _bucket(t), _bucket(s), d)
+    name = "attention/{}/{}/H{}xT{}xS{}xD{}/{}".format(dtype_name(dtype), cls, *shape, kind)
     if keys != "rows":
         name += "/keys-" + keys
     candidates = attention_candidates(cls, dtype, kind, keys)
-    return ShapeClass(name, candidates, (*_attention_timing(shape), kind, keys))
+    return ShapeClass(name, candidates, (*_attention_timing(*shape), kind, keys))
 
 
-def _logits_shape(dtype: torch.dtype, m: int, v: int, c: int) -> ShapeClass:
-    rows = _gemm_rows(m)
-    name = f"logits/{dtype_name(dtype)}/M{rows}xV{v}xC{c}"
-    return ShapeClass(name, logits_candidates(dtype), (rows,))
+# What a GEMM's rows are -> the rows it is timed at (see the invariants).
+GEMM_ROWS = {"tokens": TOKEN_ROWS, "frames": ENCODER_ROWS}
 
 
-def _linear_shape(dtype: torch.dtype, m: int, n: int, k: int) -> ShapeClass:
-    rows = _gemm_rows(m)
-    name = f"linear/{dtype_name(dtype)}/M{rows}xN{n}xK{k}"
-    return ShapeClass(name, upcast_candidates("linear", dtype), (rows,))
+def _logits_shape(dtype: torch.dtype, v: int, c: int) -> ShapeClass:
+    name = f"logits/{dtype_name(dtype)}/V{v}xC{c}"
+    return ShapeClass(name, logits_candidates(dtype), (TOKEN_ROWS,))
 
 
-def _int8_shape(dtype: torch.dtype, m: int, n: int, k: int) -> ShapeClass:
-    rows = _gemm_rows(m)
-    name = f"int8-linear/{dtype_name(dtype)}/M{rows}xN{n}xK{k}"
-    return ShapeClass(name, int8_candidates(dtype), (rows,))
+def _linear_shape(dtype: torch.dtype, n: int, k: int, rows: str) -> ShapeClass:
+    name = f"linear/{dtype_name(dtype)}/N{n}xK{k}/{rows}"
+    return ShapeClass(name, upcast_candidates("linear", dtype), (GEMM_ROWS[rows],))
+
+
+def _int8_shape(dtype: torch.dtype, n: int, k: int, rows: str) -> ShapeClass:
+    name = f"int8-linear/{dtype_name(dtype)}/N{n}xK{k}/{rows}"
+    return ShapeClass(name, int8_candidates(dtype), (GEMM_ROWS[rows],))
 
 
 def _conv1d_shape(dtype: torch.dtype, c_in, c_out, width, length, stride, padding) -> ShapeClass:
@@ -973,10 +973,11 @@ def build_plan(
 
     Mode auto: each shape class's choice read from the cache file (`path`, default
     kernels_cache_path()) for this machine and thread count, or timed now where the file
-    has none (or one made among other candidates) and merged into it; the classes of one
-    weight then share one copy of it (_one_copy). Other modes, and a class with one
-    candidate (f32 convolutions; f32 linear layers where oneDNN packs nothing), time
-    nothing. Off the CPU the reference runs everywhere.
+    has none (or one made among other candidates) and merged into it. Every weight is in
+    one class (of its shape and rows), so it holds one copy at most (packed, or float32)
+    beside it. Other modes, and a class with one candidate (f32 convolutions; f32 linear
+    layers where oneDNN packs nothing), time nothing. Off the CPU the reference runs
+    everywhere.
     """
     device = torch.device(device)
     mode = kernels_mode() if mode is None else mode
@@ -987,18 +988,13 @@ def build_plan(
     cached = _read(path) if mode == "auto" else {}
     prefix = f"{_machine()}|threads={plan.threads}|"
     saved: dict[str, dict] = {}
-    times_of: dict[tuple, dict[str, float]] = {}  # the same calls are timed once
     shapes: set[tuple] = set()  # calls of layers alike: one class, looked up once
-    # (op, weight shape) -> class -> rows, for the ops whose implementations copy the weight
-    copy_classes: dict[tuple, dict[str, int]] = {}
     for call in calls:
         if (call.op, call.shape) in shapes:
             continue
         shapes.add((call.op, call.shape))
         op = OPS[call.op]
         cls = op.shape_class(dtype, *call.shape)
-        if call.op in WEIGHT_COPIES:
-            copy_classes.setdefault((call.op, *call.shape[1:]), {})[cls.name] = cls.timing[0]
         if cls.name in plan.choices:
             continue
         if mode != "auto" or len(cls.candidates) == 1:
@@ -1006,51 +1002,16 @@ def build_plan(
             continue
         entry = cached.get(prefix + cls.name)
         if not _current(entry, cls.candidates):
-            runs = (call.op, cls.candidates, cls.timing, id(call.weight))
-            if runs not in times_of:
-                times_of[runs] = _time(op.runs(cls, dtype, call.weight, device))
-            times = times_of[runs]
+            times = _time(op.runs(cls, dtype, call.weight, device))
             entry = {"choice": _fastest_of(times), "ms": {n: round(t, 3) for n, t in times.items()}}
             saved[prefix + cls.name] = entry
             plan.timed.add(cls.name)
             log.debug("kernel %s: %s (%s)", cls.name, entry["choice"], entry["ms"])
         plan.choices[cls.name] = entry["choice"]
         plan.ms[cls.name] = entry["ms"]
-    if mode == "auto":
-        for (op, *_), classes in copy_classes.items():
-            _one_copy(plan, classes, WEIGHT_COPIES[op])
     if saved:
         _write(path, saved)
     return plan
-
-
-# Per op, the implementations that keep a copy of the whole weight (packed, or in float32)
-# beside it for the model's life: a weight holds one of them at most (see _one_copy).
-WEIGHT_COPIES: dict[str, frozenset[str]] = {
-    "int8-linear": _INT8_PACKED,
-    "linear": frozenset({"f32-upcast", "packed", "f32-packed"}),
-    "logits": frozenset({"packed", "f32-packed"}),
-}
-
-
-def _one_copy(plan: KernelPlan, classes: dict[str, int], copies: frozenset[str]) -> None:
-    """The classes of one op and weight shape (class -> its rows) share one copy of the
-    weight (an implementation in `copies`): the one its largest class chose. Where a
-    smaller class timed another copy fastest, it takes the fastest of the rest instead (its
-    timings are kept; the cache keeps its own choice).
-
-    A copy is as large as the weight, or larger: for tiny.en's vocabulary projection 19
-    MiB and 46 ms at every load for fbgemm's int8 form beside oneDNN's, 76 MiB for a
-    float32 one (computed from the shape). Two int8 forms bought 0.2 ms a call at one to
-    four rows (Intel Xeon with AMX), which only a batch's last steps run.
-    """
-    by_rows = sorted(classes, key=classes.__getitem__, reverse=True)
-    kept = next((plan.choices[c] for c in by_rows if plan.choices[c] in copies), None)
-    for name in by_rows:
-        choice = plan.choices[name]
-        if choice in copies and choice != kept and name in plan.ms:
-            times = {n: t for n, t in plan.ms[name].items() if n not in copies - {kept}}
-            plan.choices[name] = _fastest_of(times)
 
 
 def _current(entry: object, candidates: tuple[str, ...]) -> bool:

@@ -240,18 +240,15 @@ def load_model(
 
 
 def run_reach(options: TranscribeOptions, config: ModelConfig, tokenizer: Tokenizer) -> Reach:
-    """The shapes a run with `options` reaches (model.Reach): its batch size; its prompt,
-    which an initial prompt may grow to the whole text context; the prompt and
-    max_new_tokens with the end of text; the alignment pass with word timestamps."""
-    from whisper_cli.timing import LOGITS_ROWS
-
+    """The shapes a run with `options` reaches (model.Reach): its prompt, which an initial
+    prompt may grow to the whole text context; the prompt and max_new_tokens with the end
+    of text; the alignment pass with word timestamps."""
     longest = config.max_target_positions
     prompt = len(tokenizer.prompt(None, options.task, timestamps=False))
     if options.initial_prompt:
         prompt = longest
     text = min(prompt + options.max_new_tokens + 1, longest)
-    aligned = LOGITS_ROWS if options.word_timestamps else 0
-    return Reach(options.batch_size, prompt, text, aligned)
+    return Reach(prompt, text, options.word_timestamps)
 
 
 def plan_kernels(
@@ -260,7 +257,7 @@ def plan_kernels(
     """Give `model` (its weights in place) the kernel plan of its dtype and device for
     the shapes of `reach`: each choice read from the kernel cache, or timed now where the
     cache has none (then saved there); `mode`: WHISPER_CLI_KERNELS when None. Shapes
-    outside the reach (a larger batch, say) run the reference kernels. With int8 weights,
+    outside the reach (a longer prompt, say) run the reference kernels. With int8 weights,
     each layer gets the forms of its weight the plan chose (quantize.prepare_forms)."""
     calls = list(model.kernel_calls(reach))
     plan = kernels.build_plan(calls, policy.dtype, policy.device, mode=mode)

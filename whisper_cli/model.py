@@ -151,15 +151,14 @@ FIXED = Extent()  # the compiled step's
 
 @dataclass(frozen=True)
 class Reach:
-    """The shapes a run's forward passes reach, which its kernel plan covers: batches of
-    up to `batch` rows, prompts of up to `prompt` positions, sequences of up to `text`;
-    with `aligned_rows`, whole sequences through the word-alignment pass, whose vocabulary
-    projection takes that many rows at a time (0: no alignment pass)."""
+    """The shapes a run's forward passes reach, which its kernel plan covers: prompts of
+    up to `prompt` positions, sequences of up to `text`; with `aligned`, whole sequences
+    through the word-alignment pass. No shape class depends on a batch's rows (kernels.py,
+    the invariants), so neither does the reach."""
 
-    batch: int
     prompt: int
     text: int
-    aligned_rows: int = 0
+    aligned: bool = False
 
 
 class Table(nn.Embedding):
@@ -175,13 +174,18 @@ class Table(nn.Embedding):
 
 class Linear(nn.Linear):
     """nn.Linear (the same parameters) run by kernels.linear: the GEMM its kernel plan
-    names (see Whisper.use_plan)."""
+    names (see Whisper.use_plan) for a layer over `rows`: "tokens" (the decoder's text) or
+    "frames" (the encoder's audio, and the cross-attention keys and values of it)."""
 
     plan: kernels.KernelPlan | None = None  # None: torch's reference kernel
     kernel_op = "linear"  # its op in a kernel plan
 
+    def __init__(self, *args, rows: str = "tokens", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rows = rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias, self.plan)
+        return kernels.linear(x, self.weight, self.bias, self.plan, self.rows)
 
 
 class Conv1d(nn.Conv1d):
@@ -202,13 +206,19 @@ class Conv1d(nn.Conv1d):
 class Attention(nn.Module):
     plan: kernels.KernelPlan | None = None  # the attention kernels (see Whisper.use_plan)
 
-    def __init__(self, d_model: int, heads: int) -> None:
+    def __init__(
+        self, d_model: int, heads: int, rows: str = "tokens", kv_rows: str | None = None
+    ) -> None:
+        """rows: what the queries' rows are (see Linear); kv_rows: the keys' and values'
+        (default: the same; the cross-attention's are the encoder's frames)."""
         super().__init__()
         self.heads = heads
-        self.q_proj = Linear(d_model, d_model)
-        self.k_proj = Linear(d_model, d_model, bias=False)  # Whisper's keys have no bias
-        self.v_proj = Linear(d_model, d_model)
-        self.out_proj = Linear(d_model, d_model)
+        kv_rows = kv_rows or rows
+        self.q_proj = Linear(d_model, d_model, rows=rows)
+        # Whisper's keys have no bias.
+        self.k_proj = Linear(d_model, d_model, bias=False, rows=kv_rows)
+        self.v_proj = Linear(d_model, d_model, rows=kv_rows)
+        self.out_proj = Linear(d_model, d_model, rows=rows)
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape  # (B, T, C) -> (B, H, T, D)
@@ -281,10 +291,10 @@ class Attention(nn.Module):
 class EncoderLayer(nn.Module):
     def __init__(self, d_model: int, heads: int, ffn: int) -> None:
         super().__init__()
-        self.self_attn = Attention(d_model, heads)
+        self.self_attn = Attention(d_model, heads, rows="frames")
         self.self_attn_layer_norm = nn.LayerNorm(d_model)
-        self.fc1 = Linear(d_model, ffn)
-        self.fc2 = Linear(ffn, d_model)
+        self.fc1 = Linear(d_model, ffn, rows="frames")
+        self.fc2 = Linear(ffn, d_model, rows="frames")
         self.final_layer_norm = nn.LayerNorm(d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -306,7 +316,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(d_model, heads)
         self.self_attn_layer_norm = nn.LayerNorm(d_model)
-        self.encoder_attn = Attention(d_model, heads)
+        self.encoder_attn = Attention(d_model, heads, kv_rows="frames")
         self.encoder_attn_layer_norm = nn.LayerNorm(d_model)
         self.fc1 = Linear(d_model, ffn)
         self.fc2 = Linear(ffn, d_model)
@@ -336,22 +346,14 @@ def _class_ends(n: int) -> list[int]:
     return sorted({*powers, *range(64, n + 1, 64), n})
 
 
-def _logits_calls(decoder: Decoder, rows: list[int]) -> Iterator[kernels.KernelCall]:
-    weight = decoder.embed_tokens.weight
-    for m in rows:
-        yield kernels.KernelCall("logits", (m, *weight.shape), weight)
-
-
-def _linear_calls(module: nn.Module, rows: list[int]) -> Iterator[kernels.KernelCall]:
-    """The calls of every linear layer under `module` (float or int8 weights) on `rows`,
-    each with its own weight: an int8 layer holds the forms of its own calls' choices
+def _linear_calls(module: nn.Module) -> Iterator[kernels.KernelCall]:
+    """The calls of every linear layer under `module` (float or int8 weights), each with
+    its own weight: an int8 layer holds the form of its call's choice
     (quantize.prepare_forms); kernels.build_plan takes layers alike as one."""
     for layer in module.modules():
         op = getattr(type(layer), "kernel_op", None)
         if op is not None:
-            n, k = layer.weight.shape
-            for m in rows:
-                yield kernels.KernelCall(op, (m, n, k), layer.weight)
+            yield kernels.KernelCall(op, (*layer.weight.shape, layer.rows), layer.weight)
 
 
 class Encoder(nn.Module):
@@ -484,8 +486,8 @@ class Whisper(nn.Module):
     def kernel_calls(self, reach: Reach) -> Iterator[kernels.KernelCall]:
         """The kernel calls of a run's forward passes (see Reach): at least one per shape
         class they can reach (kernels.build_plan keeps one of each), with the weights as
-        this model holds them. Lengths and counts are taken at the upper end of every class
-        (see _class_ends), so each one of a run falls in the class of one of them."""
+        this model holds them. Lengths are taken at the upper end of every class (see
+        _class_ends), so each one of a run falls in the class of one of them."""
         cfg, enc, dec = self.config, self.encoder, self.decoder
         frames = cfg.max_source_positions  # encoder positions; the mel has twice as many
         for conv in (enc.conv1, enc.conv2):
@@ -494,30 +496,25 @@ class Whisper(nn.Module):
             yield kernels.KernelCall("conv1d", shape, conv.weight)
         prompts = [t for t in _class_ends(reach.prompt) if t > 1]
         texts = _class_ends(reach.text)
-        whole = [t for t in texts if t > 1] if reach.aligned_rows else []
+        whole = [t for t in texts if t > 1] if reach.aligned else []
         h, d = dec.heads, cfg.d_model // dec.heads
         keys = "transposed" if cross_keys_transposed(self.dtype, self.device) else "rows"
-        for b in _class_ends(reach.batch):
-            h_enc = cfg.encoder_attention_heads
-            d_enc = cfg.d_model // h_enc
-            yield kernels.KernelCall("attention", (b, h_enc, frames, frames, d_enc, "none"))
-            yield from _linear_calls(enc, [b * frames])
-            # The decoder: one token (the language pass, a step) over the positions written
-            # so far, a prompt, whole sequences (the alignment pass); cross-attention K/V
-            # projected once per batch.
-            rows = [b, *(b * t for t in prompts), *(b * t for t in whole), b * frames]
-            yield from _linear_calls(dec, rows)
-            for s in texts:
-                yield kernels.KernelCall("attention", (b, h, 1, s, d, "none"))
-            for t in [1, *prompts, *whole]:
-                if t > 1:
-                    yield kernels.KernelCall("attention", (b, h, t, t, d, "causal"))
-                yield kernels.KernelCall("attention", (b, h, t, frames, d, "none", keys))
-            if dec.proj_out is None:  # the tied projection: a step's rows, a prompt's
-                yield from _logits_calls(dec, [b, *(b * t for t in prompts)])
-        if dec.proj_out is None and reach.aligned_rows:
-            most = min(reach.aligned_rows, reach.batch * reach.text)
-            yield from _logits_calls(dec, _class_ends(most))
+        h_enc = cfg.encoder_attention_heads
+        yield kernels.KernelCall("attention", (h_enc, frames, frames, cfg.d_model // h_enc, "none"))
+        # Every linear layer, the encoder's and the decoder's, the vocabulary projection:
+        # one class each, whatever the rows of a call.
+        yield from _linear_calls(self)
+        if dec.proj_out is None:  # the tied projection
+            weight = dec.embed_tokens.weight
+            yield kernels.KernelCall("logits", tuple(weight.shape), weight)
+        # The decoder's attention: one token (the language pass, a step) over the positions
+        # written so far, a prompt, whole sequences (the alignment pass).
+        for s in texts:
+            yield kernels.KernelCall("attention", (h, 1, s, d, "none"))
+        for t in [1, *prompts, *whole]:
+            if t > 1:
+                yield kernels.KernelCall("attention", (h, t, t, d, "causal"))
+            yield kernels.KernelCall("attention", (h, t, frames, d, "none", keys))
 
     @property
     def dtype(self) -> torch.dtype:

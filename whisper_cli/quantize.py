@@ -30,14 +30,22 @@ EMBEDDING_KEY = "decoder.embed_tokens.weight"
 class Int8Linear(nn.Module):
     """x W^T + b with W = weight (int8, (N, K)) * weight_scale (float32, (N,)) per row,
     computed by kernels.int8_linear as its kernel plan names; x, b and the result in the
-    run dtype. `forms`: the forms of the weight the plan's choices for this layer take
-    (implementation name -> kernels.int8_form), set by prepare_forms with the plan."""
+    run dtype. `rows`: what its rows are (model.Linear). `forms`: the form of the weight
+    the plan's choice for this layer takes (implementation name -> kernels.int8_form), set
+    by prepare_forms with the plan."""
 
     plan: kernels.KernelPlan | None = None  # None: the dequantizing reference
     kernel_op = "int8-linear"  # its op in a kernel plan
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        rows: str = "tokens",
+    ) -> None:
         super().__init__()
+        self.rows = rows
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", bias)
@@ -53,14 +61,16 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, scale = self.weight, self.weight_scale
-        return kernels.int8_linear(x, w, scale, self.bias, self.plan, self.forms)
+        return kernels.int8_linear(x, w, scale, self.bias, self.plan, self.forms, self.rows)
 
 
-def int8_linear(source: torch.Tensor, bias: torch.Tensor | None, policy: DtypePolicy) -> Int8Linear:
-    """An Int8Linear of a checkpoint weight `source` (any floating dtype) and a bias already
-    in the run dtype."""
+def int8_linear(
+    source: torch.Tensor, bias: torch.Tensor | None, policy: DtypePolicy, rows: str = "tokens"
+) -> Int8Linear:
+    """An Int8Linear over `rows` of a checkpoint weight `source` (any floating dtype) and a
+    bias already in the run dtype."""
     q, scale = int8_weight(source)
-    return Int8Linear(q.to(policy.device), scale.to(policy.device), bias)
+    return Int8Linear(q.to(policy.device), scale.to(policy.device), bias, rows)
 
 
 def _linears(model: Whisper) -> list[tuple[str, Linear]]:
@@ -78,16 +88,17 @@ def quantize_linears(model: Whisper, state: dict[str, torch.Tensor], policy: Dty
     for name, module in _linears(model):
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, attr, int8_linear(state[f"{name}.weight"], module.bias, policy))
+        layer = int8_linear(state[f"{name}.weight"], module.bias, policy, module.rows)
+        setattr(parent, attr, layer)
     model.decoder.proj_out = int8_linear(state[EMBEDDING_KEY], None, policy)
 
 
 def prepare_forms(
     model: Whisper, plan: kernels.KernelPlan, calls: Iterable[kernels.KernelCall]
 ) -> None:
-    """Give every Int8Linear of `model` the forms of its weight that `plan` chose for its
-    calls among `calls` (those the plan was built for: one per layer and row class), and
-    no others; the forms of an earlier plan are dropped first."""
+    """Give every Int8Linear of `model` the form of its weight that `plan` chose for its
+    call among `calls` (those the plan was built for: one per layer), and no others; the
+    forms of an earlier plan are dropped first."""
     chosen: dict[int, set[str]] = {}
     for call in calls:
         if call.op == Int8Linear.kernel_op:
