@@ -135,9 +135,9 @@ def exceptions_marked(rec: DtypeRecorder, unmarked: str | None = None) -> Iterat
         # The CPU kernels' float32 tiles and the timing that chooses them.
         (kernels, "_attend_f32", inside),
         (kernels, "time_candidates", inside),
-        # The synthetic inputs and the own copies (f32, packed) of a weight timing makes.
-        *((kernels, runs, inside) for runs in ("_linear_runs", "_conv1d_runs", "_logits_runs")),
-        (kernels, "_int8_runs", inside),
+        # The synthetic inputs and the own copies (f32, packed) of a weight that timing and
+        # the rows check make.
+        (kernels, "_measure", inside),
         (kernels, "packable", inside),  # its probe: oneDNN packs a small f32 matrix or not
         (engine, "encoder_input", encoder_door),
         # The listed exceptions, wrapped where they are used.

@@ -505,6 +505,74 @@ def test_a_plan_times_once_and_writes_the_cache(tmp_path, monkeypatch):
     assert entries(tmp_path / "kernels.json") == saved
 
 
+def test_a_choice_among_some_is_the_fastest_of_them():
+    times = {"ref": 1.0, "a": 0.5, "b": 0.97}
+    assert kernels._fastest_of(times) == "a"
+    assert kernels._fastest_of(times, ["ref", "b"]) == "ref"  # b: not 5% faster
+    assert kernels._fastest_of(times, ["b"]) == "b"  # the reference is not among them
+    assert kernels._fastest_of(times, []) == "a"  # none is: all are
+
+
+def test_gemms_over_tokens_are_chosen_among_those_computing_rows_alike(tmp_path, monkeypatch):
+    """A candidate whose result for a row changes with the rows beside it (faked: at 3
+    rows) is never chosen for text tokens, however fast, and the cache names the ones
+    that passed; over audio frames (whole windows, no check) the fastest is."""
+    if not kernels.packable(torch.float32):
+        pytest.skip("oneDNN packs no f32 weights here")
+    real_packed = kernels._linear_packed
+
+    def packed_odd_at_3(x, weight, bias, packed=None):
+        out = real_packed(x, weight, bias, packed)
+        return out + 1e-3 if x.shape[0] == 3 else out
+
+    def exact(x, weight, bias=None):  # each row alike at any count: float64, rounded once
+        return (x.double() @ weight.double().T).float()
+
+    monkeypatch.setattr(kernels, "_linear_packed", packed_odd_at_3)
+    monkeypatch.setitem(kernels.LINEAR, "linear", exact)
+    fast_packed = {"linear": (1.0, True), "packed": (0.1, True)}
+    monkeypatch.setattr(kernels, "time_candidates", lambda runs: fast_packed)
+    weight = torch.randn(48, 32)
+    calls = [call("linear", 48, 32, rows, weight=weight) for rows in ("tokens", "frames")]
+    plan = plan_of(calls, torch.float32)
+    assert plan.choices == {
+        "linear/f32/N48xK32/tokens": "linear",
+        "linear/f32/N48xK32/frames": "packed",
+    }
+    saved = {key.split("|")[-1]: entry for key, entry in entries(tmp_path / "kernels.json").items()}
+    assert saved["linear/f32/N48xK32/tokens"]["rows_alike"] == ["linear"]
+    assert "rows_alike" not in saved["linear/f32/N48xK32/frames"]
+
+
+def test_a_one_row_gemm_runs_on_two_copies_of_its_row(monkeypatch):
+    """oneDNN and BLAS sum one row in another order than a GEMM: a call of one row (a
+    row stepped alone) runs its implementation on two, so it rounds as in company."""
+    seen = []
+    weight, scale, bias = int8_layer(n=80, k=96)
+    plan = plan_of([], torch.float32, mode="packed,weight-only")
+    for table, name in (
+        (kernels.LINEAR, "packed"),
+        (kernels.LOGITS, "packed"),
+        (kernels.INT8_LINEAR, "weight-only"),
+    ):
+        real = table[name]
+        monkeypatch.setitem(table, name, lambda x, *a, f=real: seen.append(x.shape) or f(x, *a))
+    w = torch.randn(80, 96)
+    for rows in (1, 3):
+        x = torch.randn(rows, 1, 96)
+        seen.clear()
+        outs = [
+            kernels.linear(x, w, None, plan),
+            kernels.logits(x, w, plan),
+            kernels.int8_linear(x, weight, scale, bias, plan),
+        ]
+        assert [o.shape for o in outs] == [(rows, 1, 80)] * 3
+        assert [s[0] for s in seen] == [2 if rows == 1 else rows] * 3
+        if rows == 1:
+            torch.testing.assert_close(outs[0], F.linear(x, w), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(outs[1], x @ w.T, rtol=1e-5, atol=1e-5)
+
+
 def test_fastest_needs_a_margin_over_the_reference_and_drops_clear_losers():
     calls = {"ref": 0, "slow": 0}
 
@@ -758,7 +826,7 @@ def test_inference_mode_and_no_grad(tmp_path):
         (tmp_path / "kernels.json").unlink(missing_ok=True)
         with ctx():
             calls = [call("attention", *shape[1:], "none") for shape in SHAPES.values()]
-            calls.append(call("logits", 500, 32, weight=torch.randn(500, 32)))
+            calls.append(call("logits", 500, 32, weight=torch.randn(500, 32).bfloat16()))
             plan = plan_of(calls, torch.bfloat16)
             for shape in SHAPES.values():
                 q, k, v = qkv(*shape, torch.bfloat16)
@@ -1200,8 +1268,8 @@ def test_f32_upcast_keeps_one_copy_per_weight_and_equals_the_per_call_upcast(dty
     del weight, copy
     assert (key, "f32") not in kernels._DERIVED
     other = torch.randn(48, 32).to(dtype)
-    for run in kernels._linear_runs(("linear", "f32-upcast"), 8, other).values():
-        run()
+    for fn in kernels._linear_fns(("linear", "f32-upcast"), other).values():
+        fn(torch.randn(8, 32).to(dtype))
     for run in kernels._conv1d_runs(("conv", "f32-upcast"), 64, conv, 2, 1).values():
         run()
     assert (id(other), "f32") not in kernels._DERIVED and (id(conv), "f32") in kernels._DERIVED

@@ -106,7 +106,7 @@ TIMING_MAX_REPS = 20
 TIMING_MIN_S = 0.05
 TIMING_CUTOFF = 4.0
 TIMING_MARGIN = 0.95
-CACHE_VERSION = 4  # a file of another version is read as empty (its choices timed again)
+CACHE_VERSION = 5  # a file of another version is read as empty (its choices timed again)
 
 
 # --- attention implementations ------------------------------------------------------
@@ -673,11 +673,25 @@ def attention(
     return ATTENTION[choice](q, k, v, mask, causal)
 
 
+def _one_row_as_two(run: Callable[..., Tensor], x: Tensor, *args) -> Tensor:
+    """run(x, *args), where x (..., K) is one row: on two copies of it, the first kept.
+    oneDNN and BLAS take a matrix-vector path for one row, which sums in another order
+    than their GEMM (measured, Zen 4: oneDNN's packed f32 and bf16 GEMMs at K 1536 and
+    2048 differ there alone), so a row's last tokens, stepped alone once the rest of its
+    batch has finished, would round otherwise than in company. Costs nothing measurable:
+    the step reads the weight once either way."""
+    if x.numel() != x.shape[-1]:
+        return run(x, *args)
+    out = run(x.reshape(1, -1).expand(2, -1).contiguous(), *args)  # (2, N)
+    return out[:1].view(*x.shape[:-1], out.shape[-1])
+
+
 def logits(hidden: Tensor, weight: Tensor, plan: KernelPlan | None = None) -> Tensor:
     """(..., C) hidden states @ weight (V, C)^T -> (..., V), the tied vocabulary projection."""
     if plan is None or torch.compiler.is_compiling():
         return hidden @ weight.T
-    return LOGITS[plan.choice("logits", hidden.dtype, *weight.shape)](hidden, weight)
+    run = LOGITS[plan.choice("logits", hidden.dtype, *weight.shape)]
+    return _one_row_as_two(run, hidden, weight)
 
 
 def linear(
@@ -691,7 +705,8 @@ def linear(
     weight over `rows` ("tokens" or "frames", see GEMM_ROWS)."""
     if plan is None or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
-    return LINEAR[plan.choice("linear", x.dtype, *weight.shape, rows)](x, weight, bias)
+    run = LINEAR[plan.choice("linear", x.dtype, *weight.shape, rows)]
+    return _one_row_as_two(run, x, weight, bias)
 
 
 def int8_linear(
@@ -725,7 +740,7 @@ def int8_linear(
     if form is None:
         form = int8_form(choice, weight, scale)
     if m <= INT8_TILE_ROWS:
-        return run(x, weight, scale, bias, form)
+        return _one_row_as_two(run, x, weight, scale, bias, form)
     rows = x.reshape(m, k)
     out = x.new_empty((*x.shape[:-1], n))
     flat = out.view(m, n)
@@ -767,11 +782,13 @@ def conv1d(
 @dataclass(frozen=True)
 class ShapeClass:
     """Calls that share a choice: their name in the cache, the implementations that apply
-    (the reference first), and the shape a timing runs at."""
+    (the reference first), the shape a timing runs at, and whether the choice must compute
+    every row alike at any count of rows (GEMMs over text tokens, see _rows_alike)."""
 
     name: str
     candidates: tuple[str, ...]
     timing: tuple
+    rows_checked: bool = False
 
 
 def attention_class(t: int) -> str:
@@ -811,17 +828,19 @@ GEMM_ROWS = {"tokens": TOKEN_ROWS, "frames": ENCODER_ROWS}
 
 def _logits_shape(dtype: torch.dtype, v: int, c: int) -> ShapeClass:
     name = f"logits/{dtype_name(dtype)}/V{v}xC{c}"
-    return ShapeClass(name, logits_candidates(dtype), (TOKEN_ROWS,))
+    return ShapeClass(name, logits_candidates(dtype), (TOKEN_ROWS,), rows_checked=True)
 
 
 def _linear_shape(dtype: torch.dtype, n: int, k: int, rows: str) -> ShapeClass:
     name = f"linear/{dtype_name(dtype)}/N{n}xK{k}/{rows}"
-    return ShapeClass(name, upcast_candidates("linear", dtype), (GEMM_ROWS[rows],))
+    cands = upcast_candidates("linear", dtype)
+    return ShapeClass(name, cands, (GEMM_ROWS[rows],), rows_checked=rows == "tokens")
 
 
 def _int8_shape(dtype: torch.dtype, n: int, k: int, rows: str) -> ShapeClass:
     name = f"int8-linear/{dtype_name(dtype)}/N{n}xK{k}/{rows}"
-    return ShapeClass(name, int8_candidates(dtype), (GEMM_ROWS[rows],))
+    cands = int8_candidates(dtype)
+    return ShapeClass(name, cands, (GEMM_ROWS[rows],), rows_checked=rows == "tokens")
 
 
 def _conv1d_shape(dtype: torch.dtype, c_in, c_out, width, length, stride, padding) -> ShapeClass:
@@ -834,12 +853,17 @@ def _conv1d_shape(dtype: torch.dtype, c_in, c_out, width, length, stride, paddin
 
 
 Runs = dict[str, Callable[[], object]]
+RowFns = dict[str, Callable[[Tensor], Tensor]]  # a GEMM's candidates as functions of its rows
 
 
 @dataclass(frozen=True)
 class _Op:
     shape_class: Callable[..., ShapeClass]  # (dtype, *shape) -> its class
-    runs: Callable[[ShapeClass, torch.dtype, Tensor | None, torch.device], Runs]  # to time
+    # Attention and convolutions: the calls to time, (class, dtype, weight, device) -> Runs.
+    runs: Callable[[ShapeClass, torch.dtype, Tensor | None, torch.device], Runs] | None = None
+    # GEMMs: each candidate on the real weight as a function of its (M, K) rows in the run
+    # dtype, (candidates, dtype, weight) -> RowFns; timed on random rows, and checked.
+    fns: Callable[[tuple[str, ...], torch.dtype, Tensor], RowFns] | None = None
 
 
 # Every op the plan decides, by one mechanism: a class per call, a choice per class.
@@ -850,18 +874,9 @@ OPS: dict[str, _Op] = {
             cls.candidates, cls.timing[:5], dtype, device, *cls.timing[5:]
         ),
     ),
-    "logits": _Op(
-        _logits_shape,
-        lambda cls, dtype, weight, device: _logits_runs(cls.candidates, *cls.timing, weight),
-    ),
-    "linear": _Op(
-        _linear_shape,
-        lambda cls, dtype, weight, device: _linear_runs(cls.candidates, *cls.timing, weight),
-    ),
-    "int8-linear": _Op(
-        _int8_shape,
-        lambda cls, dtype, weight, device: _int8_runs(cls.candidates, *cls.timing, dtype, weight),
-    ),
+    "logits": _Op(_logits_shape, fns=lambda cands, dtype, weight: _logits_fns(cands, weight)),
+    "linear": _Op(_linear_shape, fns=lambda cands, dtype, weight: _linear_fns(cands, weight)),
+    "int8-linear": _Op(_int8_shape, fns=lambda cands, dtype, weight: _int8_fns(cands, weight)),
     "conv1d": _Op(
         _conv1d_shape,
         lambda cls, dtype, weight, device: _conv1d_runs(
@@ -1002,8 +1017,7 @@ def build_plan(
             continue
         entry = cached.get(prefix + cls.name)
         if not _current(entry, cls.candidates):
-            times = _time(op.runs(cls, dtype, call.weight, device))
-            entry = {"choice": _fastest_of(times), "ms": {n: round(t, 3) for n, t in times.items()}}
+            entry = _measure(op, cls, dtype, call.weight, device)
             saved[prefix + cls.name] = entry
             plan.timed.add(cls.name)
             log.debug("kernel %s: %s (%s)", cls.name, entry["choice"], entry["ms"])
@@ -1121,12 +1135,51 @@ def _time(candidates: Runs) -> dict[str, float]:
     return {name: ms for name, (ms, _) in time_candidates(candidates).items()}
 
 
-def _fastest_of(times: dict[str, float]) -> str:
+def _fastest_of(times: dict[str, float], among: Iterable[str] | None = None) -> str:
     """The fastest, where TIMING_MARGIN faster than the reference (the first); else the
-    reference (ties keep it, and a repeated timing does not flip between near-equals)."""
+    reference (ties keep it, and a repeated timing does not flip between near-equals).
+    `among`: only those may be chosen, where any is (the fastest of them, if the reference
+    is not); none: all."""
     reference = next(iter(times))
-    best = min(times, key=times.__getitem__)
+    allowed = [n for n in times if among is None or n in among] or list(times)
+    best = min(allowed, key=times.__getitem__)
+    if reference not in allowed:
+        return best
     return best if times[best] < TIMING_MARGIN * times[reference] else reference
+
+
+def _measure(op: _Op, cls: ShapeClass, dtype: torch.dtype, weight: Tensor | None, device) -> dict:
+    """A class's cache entry: every candidate's ms and the choice; where the class checks
+    rows (rows_checked), the candidates that compute them alike ("rows_alike"), the
+    choice made among those."""
+    if op.fns is None:
+        times = _time(op.runs(cls, dtype, weight, device))
+        return {"choice": _fastest_of(times), "ms": {n: round(t, 3) for n, t in times.items()}}
+    fns = op.fns(cls.candidates, dtype, weight)
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(cls.timing[0], weight.shape[1], device=weight.device, generator=g).to(dtype)
+    times = _time({n: (lambda f=f: f(x)) for n, f in fns.items()})
+    entry = {"ms": {n: round(t, 3) for n, t in times.items()}}
+    alike = _rows_alike(fns, x) if cls.rows_checked else None
+    if alike is not None:
+        entry["rows_alike"] = alike
+    return {"choice": _fastest_of(times, alike), **entry}
+
+
+def _rows_alike(fns: RowFns, x: Tensor) -> list[str]:
+    """The candidates whose result for each of x's first m rows is, bit for bit, the one
+    for them among all of x's, for every m below x's rows, called as the entry points call
+    them (_one_row_as_two). Implementations round differently at some row counts (on Zen
+    4, torch's f32 GEMM at 1-3, 5-7 and 9-11 rows of 16): chosen for text tokens, such a
+    one makes a row's text depend on how many rows share its step."""
+    alike = []
+    with torch.no_grad():
+        for name, fn in fns.items():
+            whole = fn(x)
+            rows = range(1, x.shape[0])
+            if all(torch.equal(_one_row_as_two(fn, x[:m]), whole[:m]) for m in rows):
+                alike.append(name)
+    return alike
 
 
 def _fastest(candidates: Runs) -> tuple[str, dict[str, float]]:
@@ -1167,51 +1220,45 @@ def _attention_runs(
     return {n: (lambda f=ATTENTION[n]: f(q, k, v, mask, causal)) for n in cands}
 
 
-def _logits_runs(cands, m: int, weight: Tensor) -> Runs:
-    """Calls of each candidate on the real weight (no copy of it) and random hidden rows."""
-    g = torch.Generator(device=weight.device).manual_seed(0)
-    shape = (m, 1, weight.shape[1])
-    hidden = torch.randn(shape, dtype=weight.dtype, device=weight.device, generator=g)
-    runs = {n: (lambda f=LOGITS[n]: f(hidden, weight)) for n in cands}
-    if "packed" in runs:  # a copy of its own, freed with the timing
+def _logits_fns(cands, weight: Tensor) -> RowFns:
+    """Each candidate on the real weight (no copy of it, but a packed one's own, freed
+    with the timing)."""
+    fns = {n: (lambda x, f=LOGITS[n]: f(x, weight)) for n in cands}
+    if "packed" in fns:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        runs["packed"] = lambda: _logits_packed(hidden, weight, packed)
-    if "f32-packed" in runs:  # the same
+        fns["packed"] = lambda x: _logits_packed(x, weight, packed)
+    if "f32-packed" in fns:  # the same
         f32_packed = _reorder_f32(weight)
-        runs["f32-packed"] = lambda: _logits_f32_packed(hidden, weight, f32_packed)
-    return runs
+        fns["f32-packed"] = lambda x: _logits_f32_packed(x, weight, f32_packed)
+    return fns
 
 
-def _linear_runs(cands, m: int, weight: Tensor) -> Runs:
-    """Calls of each candidate on the real weight, no bias (its add costs alike), and
-    random rows of its input."""
-    g = torch.Generator(device=weight.device).manual_seed(0)
-    x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device, generator=g)
-    runs = {n: (lambda f=LINEAR[n]: f(x, weight, None)) for n in cands}
-    if "f32-upcast" in runs:  # copies of its own, freed with the timing
+def _linear_fns(cands, weight: Tensor) -> RowFns:
+    """Each candidate on the real weight, no bias (its add costs alike); the copies a
+    candidate keeps are its own, freed with the timing."""
+    fns = {n: (lambda x, f=LINEAR[n]: f(x, weight, None)) for n in cands}
+    if "f32-upcast" in fns:
         f32 = (weight.float(), None)
-        runs["f32-upcast"] = lambda: LINEAR["f32-upcast"](x, weight, None, f32)
-    if "packed" in runs:  # the same
+        fns["f32-upcast"] = lambda x: LINEAR["f32-upcast"](x, weight, None, f32)
+    if "packed" in fns:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        runs["packed"] = lambda: _linear_packed(x, weight, None, packed)
-    if "f32-packed" in runs:  # the same
+        fns["packed"] = lambda x: _linear_packed(x, weight, None, packed)
+    if "f32-packed" in fns:
         f32_packed = _reorder_f32(weight)
-        runs["f32-packed"] = lambda: _linear_f32_packed(x, weight, None, f32_packed)
-    return runs
+        fns["f32-packed"] = lambda x: _linear_f32_packed(x, weight, None, f32_packed)
+    return fns
 
 
-def _int8_runs(cands, m: int, dtype: torch.dtype, weight: Tensor) -> Runs:
-    """Calls of each candidate on the real int8 weight, unit scales, no bias, and random
-    rows in `dtype`; each prepares its own form of the weight, freed with the timing."""
-    g = torch.Generator(device=weight.device).manual_seed(0)
-    x = torch.randn(m, weight.shape[1], dtype=dtype, device=weight.device, generator=g)
+def _int8_fns(cands, weight: Tensor) -> RowFns:
+    """Each candidate on the real int8 weight, unit scales, no bias; each prepares its own
+    form of the weight, freed with the timing."""
     scale = torch.full((weight.shape[0],), 1 / 127, device=weight.device)
 
-    def run(name: str) -> Callable[[], object]:
+    def fn(name: str) -> Callable[[Tensor], Tensor]:
         prepared = int8_form(name, weight, scale)
-        return lambda: INT8_LINEAR[name](x, weight, scale, None, prepared)
+        return lambda x: INT8_LINEAR[name](x, weight, scale, None, prepared)
 
-    return {n: run(n) for n in cands}
+    return {n: fn(n) for n in cands}
 
 
 def _conv1d_runs(cands, length: int, weight: Tensor, stride: int, padding: int) -> Runs:
