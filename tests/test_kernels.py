@@ -183,6 +183,60 @@ def test_fused_decode_attention_matches_float64_and_sdpa(b, h, s, d, dtype, keys
         assert out.stride() == kernels._blocked(q, k, v, None, False).stride()
 
 
+@pytest.mark.parametrize(
+    ("dtype", "keys"),
+    [(torch.float32, "rows"), (torch.bfloat16, "rows"), (torch.float32, "transposed")],
+    ids=str,
+)
+def test_a_fused_step_of_rows_at_their_own_positions_sums_as_each_row_alone(dtype, keys):
+    """A refilled step: each row sees its first keys (a (B, 1, 1, S) mask, as
+    model.Attention.forward_self builds it, or one row's mask for all). Each row's output
+    is, bit for bit, its own unmasked call's over just those keys; and the masked call
+    is attention's (the reference within the f32 tolerance)."""
+    native_built()
+    counts = torch.tensor([5, 40, 1, 23])
+    q, k, v = qkv(4, 3, 1, 40, 16, dtype)
+    if keys == "transposed":
+        k = k.mT.contiguous().mT
+    mask = (torch.arange(40) < counts[:, None])[:, None, None]  # (B, 1, 1, S)
+    assert kernels._fused_function(q, k, v, mask, False) is not None
+    out = kernels._fused(q, k, v, mask, False)
+    for row, n in enumerate(counts.tolist()):
+        alone = kernels._fused(
+            q[row : row + 1], k[row : row + 1, :, :n], v[row : row + 1, :, :n], None, False
+        )
+        assert torch.equal(out[row : row + 1], alone), row
+    torch.testing.assert_close(out, reference(q, k, v, mask, False).to(dtype))
+    shared = (torch.arange(40) < 23)[None]  # (T, S): one mask for every row
+    torch.testing.assert_close(
+        kernels._fused(q, k, v, shared, False), reference(q, k, v, shared, False).to(dtype)
+    )
+
+
+def test_a_step_has_one_class_for_any_count_of_text_keys_masked_or_not(monkeypatch):
+    """A row must run what it runs alone: a refilled step's keys are its longest row's and
+    it has a mask, so neither the count of keys (up to the text's) nor the mask of a
+    one-query call changes its class; the cross-attention's 1500 keys are a class apart."""
+    shape_class = kernels.OPS["attention"].shape_class
+    names = {shape_class(torch.float32, 6, 1, s, 64, "none").name for s in (1, 64, 65, 448)}
+    assert names == {"attention/f32/decode/H6xT1xStextxD64/none"}
+    assert shape_class(torch.float32, 6, 1, 1500, 64, "none").name.endswith("S1536xD64/none")
+    # The class planned unmasked runs a masked step too (here "matmul", the plan's one).
+    plan = kernels.KernelPlan("auto", "cpu", torch.float32, torch.get_num_threads())
+    plan.choices["attention/f32/decode/H6xT1xStextxD64/none"] = "matmul"
+    ran = []
+    monkeypatch.setitem(
+        kernels.ATTENTION,
+        "matmul",
+        lambda *a, f=kernels.ATTENTION["matmul"]: ran.append(1) or f(*a),
+    )
+    q, k, v = qkv(2, 6, 1, 100, 64, torch.float32)
+    mask = (torch.arange(100) < torch.tensor([[30], [100]]))[:, None, None]
+    for m in (None, mask):
+        kernels.attention(q, k, v, m, plan=plan)
+    assert len(ran) == 2
+
+
 def test_the_fused_call_is_a_named_range_under_the_profiler():
     """torch.profiler cannot see a ctypes call: under it, the C kernel's time is a range
     named with its key count (scripts/step_profile.py groups by it); the same result."""
@@ -197,10 +251,11 @@ def test_the_fused_call_is_a_named_range_under_the_profiler():
 
 
 def test_fused_runs_blocked_attention_where_it_does_not_apply(monkeypatch):
-    """A mask, a causal call, more than one query, another dtype, bf16 keys by column,
-    and any call where the library is absent: blocked attention, bit for bit."""
+    """A mask other than each row's first keys, a causal call, more than one query,
+    another dtype, bf16 keys by column, and any call where the library is absent: blocked
+    attention, bit for bit."""
     q, k, v = qkv(3, 2, 1, 40, 16, torch.bfloat16)
-    mask = torch.arange(40) <= 30
+    mask = torch.arange(40) % 3 != 1
     cases = [
         (q, k, v, mask, False),
         (*qkv(3, 2, 4, 40, 16, torch.bfloat16), None, True),
@@ -489,7 +544,7 @@ def test_a_plan_times_once_and_writes_the_cache(tmp_path, monkeypatch):
     saved = entries(tmp_path / "kernels.json")
     (key, entry), *more = saved.items()
     assert not more
-    assert key.endswith("|attention/bf16/decode/H2xT1xS64xD16/none")
+    assert key.endswith("|attention/bf16/decode/H2xT1xStextxD16/none")
     assert f"threads={torch.get_num_threads()}" in key and kernels.cpu_model() in key
     assert set(entry["ms"]) == set(kernels.attention_candidates("decode", torch.bfloat16))
     ms = entry["ms"]
@@ -497,7 +552,8 @@ def test_a_plan_times_once_and_writes_the_cache(tmp_path, monkeypatch):
     assert entry["choice"] == (fastest if ms[fastest] < 0.95 * ms["sdpa"] else "sdpa")
     assert plan.choices == {key.split("|")[-1]: entry["choice"]}
 
-    # The same class (S 40 and 50 -> 64), in this plan and in the next one: no new timing.
+    # The same class (S 40 and 50: the text's keys), in this plan and in the next one: no
+    # new timing.
     monkeypatch.setattr(kernels, "time_candidates", no_timing)
     again = plan_of([call("attention", 2, 1, 50, 16, "none")], torch.bfloat16)
     assert again.choices == plan.choices and not again.timed
@@ -640,7 +696,7 @@ def test_a_plan_from_a_given_cache_file_yields_its_choices(tmp_path, monkeypatch
     bf16 = torch.bfloat16
     weight, conv = torch.randn(48, 32).to(bf16), torch.randn(16, 8, 3).to(bf16)
     forged = {
-        "attention/bf16/decode/H2xT1xS64xD16/none": "blocked",
+        "attention/bf16/decode/H2xT1xStextxD16/none": "blocked",
         "attention/bf16/prefill/H2xT64xS64xD16/causal": "matmul",
         "logits/bf16/V48xC32": "f32-blocks",
         "linear/bf16/N48xK32/tokens": "f32-upcast",
@@ -797,7 +853,7 @@ def test_off_the_cpu_the_plan_is_the_reference(monkeypatch):
     monkeypatch.setattr(kernels, "time_candidates", no_timing)
     plan = plan_of([call("attention", 2, 1, 40, 16, "none")], torch.float32, device="meta")
     assert plan.mode == "reference" and plan.choices == {
-        "attention/f32/decode/H2xT1xS64xD16/none": "sdpa"
+        "attention/f32/decode/H2xT1xStextxD16/none": "sdpa"
     }
 
 
@@ -831,12 +887,13 @@ def test_inference_mode_and_no_grad(tmp_path):
             for shape in SHAPES.values():
                 q, k, v = qkv(*shape, torch.bfloat16)
                 assert kernels.attention(q, k, v, plan=plan).dtype == torch.bfloat16
-        assert len(entries(tmp_path / "kernels.json")) == len(SHAPES) + 1
+        # Both steps' shapes are over the text's keys: one class, and the projection's.
+        assert len(entries(tmp_path / "kernels.json")) == len(SHAPES)
 
 
 def test_plan_is_reported():
     plan = plan_of(
-        [call("attention", 2, 1, 40, 16, "none"), call("attention", 2, 1, 100, 16, "none")],
+        [call("attention", 2, 1, 40, 16, "none"), call("attention", 2, 1, 1500, 16, "none")],
         torch.float32,
         mode="matmul",
     )
@@ -845,8 +902,8 @@ def test_plan_is_reported():
     assert plan.summary() == f"{head}: attention matmul x2"
     report = plan.report()
     assert report["choices"] == {
-        "attention/f32/decode/H2xT1xS128xD16/none": "matmul",
-        "attention/f32/decode/H2xT1xS64xD16/none": "matmul",
+        "attention/f32/decode/H2xT1xS1536xD16/none": "matmul",
+        "attention/f32/decode/H2xT1xStextxD16/none": "matmul",
     }
     assert report["mode"] == "matmul" and report["dtype"] == "f32" and report["timed_now"] == 0
     json.dumps(report)

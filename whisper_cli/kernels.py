@@ -83,6 +83,10 @@ ENCODER_ROWS = 512
 # The rows a GEMM over text tokens is timed at, and the batch attention is timed at: a
 # decode step of the default batch (options.py), where a run spends its decoder's time.
 TOKEN_ROWS = 16
+# The keys a step's self-attention is timed at (one class for 1-448 keys, see
+# _attention_shape): a window's text is some 30-150 tokens, and at any length this
+# attention is a small part of a step (its cache is a few hundred KB).
+TEXT_KEYS = 128
 CONV_TIMING_LENGTH = 512  # frames a convolution is timed on (see _conv1d_shape)
 # The most rows an int8 linear kernel takes at once (int8_linear): a call of more runs in
 # equal tiles of 257-512 rows (256 and 257 for a call of 513), near the ENCODER_ROWS a
@@ -191,10 +195,23 @@ def by_column(t: Tensor) -> bool:
     return t.stride(-2) == 1 and t.stride(-1) != 1
 
 
-def _fused_function(q, k, v, mask, causal) -> str | None:
-    """The C function (native.DECODE_ATTENTION) for this call, None where none applies:
-    one unmasked query per row, bf16 or f32, keys by rows (bf16, f32) or by column (f32)."""
-    if mask is not None or causal or q.shape[-2] != 1 or q.device.type != "cpu":
+def _key_counts(mask: Tensor | None, b: int, s: int) -> Tensor | None:
+    """(B,) int64 key counts where a one-query bool mask lets each row see its first keys
+    only (a refilled step's, model.Attention.forward_self), else None."""
+    if mask is None or mask.numel() not in (s, b * s):
+        return None
+    rows = mask.reshape(-1, s).expand(b, s)  # one row's mask: every row's
+    counts = rows.sum(-1)
+    prefix = torch.arange(s, device=mask.device) < counts[:, None]
+    return counts if bool(counts.min() >= 1) and torch.equal(rows, prefix) else None
+
+
+def _fused_function(q, k, v, mask, causal) -> tuple[str, Tensor | None] | None:
+    """The C function (native.DECODE_ATTENTION) for this call and the rows' key counts
+    (None: all keys), None where none applies: one query per row, unmasked or each row
+    seeing its first keys (_key_counts), bf16 or f32, keys by rows (bf16, f32) or by
+    column (f32)."""
+    if causal or q.shape[-2] != 1 or q.device.type != "cpu":
         return None
     if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.bfloat16, torch.float32):
         return None
@@ -210,19 +227,25 @@ def _fused_function(q, k, v, mask, causal) -> str | None:
     columns = by_column(k)
     if not columns and k.stride(-1) != 1:
         return None
+    counts = None if mask is None else _key_counts(mask, q.shape[0], k.shape[-2])
+    if mask is not None and counts is None:
+        return None
     wanted = (dtype_name(q.dtype), columns)
-    return next((f for f, of in native.DECODE_ATTENTION.items() if of == wanted), None)
+    name = next((f for f, of in native.DECODE_ATTENTION.items() if of == wanted), None)
+    return None if name is None else (name, counts)
 
 
 def _fused(q, k, v, mask, causal):
     """One query over the keys and values read once, in float32 (bf16 widened as it is
     read) (csrc/attention.c): a decode step's attention without a float32 copy of its
-    cache or a call per tile. Blocked attention for any other call, and where the
+    cache or a call per tile; a refilled step's mask taken as each row's key count, so a
+    row sums what it sums unmasked. Blocked attention for any other call, and where the
     library is absent."""
     lib = _native()
-    name = _fused_function(q, k, v, mask, causal)
-    if lib is None or name is None:
+    function = _fused_function(q, k, v, mask, causal)
+    if lib is None or function is None:
         return _blocked(q, k, v, mask, causal)
+    name, counts = function
     b, h, _, d = q.shape
     out = q.new_empty((b, 1, h, d)).transpose(1, 2)  # as _blocked's: heads merge as a view
     # torch.profiler sees no C call made through ctypes: under it, the call is a named
@@ -233,7 +256,8 @@ def _fused(q, k, v, mask, causal):
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
             b, h, k.shape[-2], d,
             native.strides(q, 2), native.strides(k, 4), native.strides(v, 3),
-            native.strides(out, 2), d**-0.5, torch.get_num_threads(),
+            native.strides(out, 2), None if counts is None else counts.data_ptr(),
+            d**-0.5, torch.get_num_threads(),
         )  # fmt: skip
     return out
 
@@ -665,7 +689,9 @@ def attention(
     if plan is None or torch.compiler.is_compiling():
         return _sdpa(q, k, v, mask, causal)
     _, h, t, d = q.shape
-    kind = "causal" if causal else "none" if mask is None else "mask"
+    # A step's mask (rows at their own positions once a batch is refilled) changes no
+    # class: each row runs what it runs unmasked ("fused" takes the mask as key counts).
+    kind = "causal" if causal else "none" if mask is None or t == 1 else "mask"
     # Keys stored by column (model.cross_keys_transposed) are a class of their own: which
     # implementation reads them fastest depends on it.
     keys = "transposed" if by_column(k) else "rows"
@@ -812,10 +838,14 @@ def _attention_timing(h: int, t: int, s: int, d: int) -> tuple[int, int, int, in
 
 def _attention_shape(dtype: torch.dtype, h, t, s, d, kind: str, keys: str = "rows") -> ShapeClass:
     """A call's class without its batch (see the invariants); keys: "rows" ((B, H, S, D)
-    storage) or "transposed" ((B, H, D, S), seen as rows)."""
+    storage) or "transposed" ((B, H, D, S), seen as rows). A step over the text's keys is
+    one class whatever their count ("Stext", timed at TEXT_KEYS): a refilled step's keys
+    are its longest row's, and a row must run what it runs alone."""
     cls = attention_class(t)
-    shape = (h, _bucket(t), _bucket(s), d)
-    name = "attention/{}/{}/H{}xT{}xS{}xD{}/{}".format(dtype_name(dtype), cls, *shape, kind)
+    text = cls == "decode" and s < ENCODER_ROWS
+    shape = (h, _bucket(t), TEXT_KEYS if text else _bucket(s), d)
+    keys_name = "text" if text else shape[2]
+    name = f"attention/{dtype_name(dtype)}/{cls}/H{h}xT{shape[1]}xS{keys_name}xD{d}/{kind}"
     if keys != "rows":
         name += "/keys-" + keys
     candidates = attention_candidates(cls, dtype, kind, keys)

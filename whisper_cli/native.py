@@ -138,7 +138,8 @@ def library(cache_dir: Path) -> ctypes.CDLL | None:
     for name in DECODE_ATTENTION:
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [_I64P] * 4
-        fn.argtypes += [ctypes.c_float, ctypes.c_int]
+        # The rows' key counts (int64 data, or None for all S), the scale, the threads.
+        fn.argtypes += [ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
         fn.restype = None
     return lib
 

@@ -6,6 +6,11 @@
  * is read (bf16), with no float32 copy of the cache written and read again, no (B, H, S)
  * score tensor, and no call per (batch, head) tile.
  *
+ * counts, where not NULL, holds each batch row's key count: row b attends to its first
+ * counts[b] keys (1..S), as if the call had only those (a decode step of rows at
+ * different positions, once a batch is refilled: the same sums, in the same order, as
+ * the row's own unmasked step).
+ *
  * Strides are in elements: q and out (batch, head), k (batch, head, key, dim), v (batch,
  * head, key). The last dimension of q, v and out is contiguous; k is contiguous along
  * its dims (keys by rows) or along its keys (_kcols: keys by column, as the f32 model
@@ -41,10 +46,11 @@ static inline float as_float(float x) { return x; }
 #define DECODE_ATTENTION(NAME, T, LOAD, STORE, SCORES)                                     \
     void NAME(const T *q, const T *k, const T *v, T *out, int64_t B, int64_t H, int64_t S, \
               int64_t D, const int64_t *qs, const int64_t *ks, const int64_t *vs,          \
-              const int64_t *os, float scale, int threads) {                               \
+              const int64_t *os, const int64_t *counts, float scale, int threads) {        \
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                  \
         for (int64_t i = 0; i < B * H; i++) {                                              \
             const int64_t b = i / H, h = i % H;                                            \
+            const int64_t n = counts ? counts[b] : S; /* this row's keys */                \
             const T *qi = q + b * qs[0] + h * qs[1];                                       \
             const T *ki = k + b * ks[0] + h * ks[1];                                       \
             const T *vi = v + b * vs[0] + h * vs[1];                                       \
@@ -52,14 +58,14 @@ static inline float as_float(float x) { return x; }
             for (int64_t d = 0; d < D; d++) qf[d] = LOAD(qi[d]) * scale;                   \
             SCORES(LOAD)                                                                   \
             float top = p[0];                                                              \
-            for (int64_t s = 1; s < S; s++) top = p[s] > top ? p[s] : top;                 \
+            for (int64_t s = 1; s < n; s++) top = p[s] > top ? p[s] : top;                 \
             float total = 0.0f;                                                            \
-            for (int64_t s = 0; s < S; s++) {                                              \
+            for (int64_t s = 0; s < n; s++) {                                              \
                 p[s] = expf(p[s] - top);                                                   \
                 total += p[s];                                                             \
             }                                                                              \
             for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;                                 \
-            for (int64_t s = 0; s < S; s++) {                                              \
+            for (int64_t s = 0; s < n; s++) {                                              \
                 const T *row = vi + s * vs[2];                                             \
                 for (int64_t d = 0; d < D; d++) acc[d] += p[s] * LOAD(row[d]);             \
             }                                                                              \
@@ -70,7 +76,7 @@ static inline float as_float(float x) { return x; }
 
 /* Keys by rows: a dot product per key. */
 #define KEY_ROWS(LOAD)                                                                     \
-    for (int64_t s = 0; s < S; s++) {                                                      \
+    for (int64_t s = 0; s < n; s++) {                                                      \
         const __typeof__(*k) *row = ki + s * ks[2];                                        \
         float dot = 0.0f;                                                                  \
         for (int64_t d = 0; d < D; d++) dot += qf[d] * LOAD(row[d]);                       \
@@ -79,10 +85,10 @@ static inline float as_float(float x) { return x; }
 
 /* Keys by column: every score gains q[d] times column d, along the keys. */
 #define KEY_COLUMNS(LOAD)                                                                  \
-    for (int64_t s = 0; s < S; s++) p[s] = 0.0f;                                           \
+    for (int64_t s = 0; s < n; s++) p[s] = 0.0f;                                           \
     for (int64_t d = 0; d < D; d++) {                                                      \
         const __typeof__(*k) *col = ki + d * ks[3];                                        \
-        for (int64_t s = 0; s < S; s++) p[s] += qf[d] * LOAD(col[s]);                      \
+        for (int64_t s = 0; s < n; s++) p[s] += qf[d] * LOAD(col[s]);                      \
     }
 
 DECODE_ATTENTION(decode_attention_bf16, uint16_t, from_bf16, to_bf16, KEY_ROWS)
