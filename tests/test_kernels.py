@@ -237,6 +237,27 @@ def test_a_step_has_one_class_for_any_count_of_text_keys_masked_or_not(monkeypat
     assert len(ran) == 2
 
 
+def test_a_step_over_the_texts_keys_gives_each_row_its_own_sums(tmp_path, monkeypatch):
+    """A refilled step's rows see their own first keys: the step's class is chosen among
+    the candidates that give each row what its own unmasked call does (fused, by
+    construction), even where another is faster (timings faked: SDPA's); the cache names
+    them. The cross-attention's class has no masks to check."""
+    native_built()
+    fast_sdpa = {"sdpa": (0.1, True), "matmul": (1.0, True), "blocked": (1.0, True)}
+    fast_sdpa["fused"] = (1.0, True)
+    monkeypatch.setattr(kernels, "time_candidates", lambda runs: {n: fast_sdpa[n] for n in runs})
+    calls = [call("attention", 6, 1, s, 64, "none") for s in (100, 1500)]
+    plan = plan_of(calls, torch.float32)
+    saved = {key.split("|")[-1]: entry for key, entry in entries(tmp_path / "kernels.json").items()}
+    step = saved["attention/f32/decode/H6xT1xStextxD64/none"]
+    assert "fused" in step["rows_alike"]
+    assert plan.choices["attention/f32/decode/H6xT1xStextxD64/none"] in step["rows_alike"]
+    if "sdpa" not in step["rows_alike"]:  # where its masked sums differ (Zen 4: they do)
+        assert plan.choices["attention/f32/decode/H6xT1xStextxD64/none"] != "sdpa"
+    cross = saved["attention/f32/decode/H6xT1xS1536xD64/none"]
+    assert "rows_alike" not in cross and cross["choice"] == "sdpa"
+
+
 def test_the_fused_call_is_a_named_range_under_the_profiler():
     """torch.profiler cannot see a ctypes call: under it, the C kernel's time is a range
     named with its key count (scripts/step_profile.py groups by it); the same result."""
@@ -751,7 +772,8 @@ def test_a_malformed_entry_is_timed_again(tmp_path):
     key = next(iter(entries(path)))
     path.write_text(json.dumps({"version": kernels.CACHE_VERSION, "entries": {key: "x"}}))
     plan = plan_of(calls, torch.float32)
-    assert plan.timed and entries(path)[key]["choice"] in kernels.attention_candidates("decode")
+    candidates = kernels.attention_candidates("decode", torch.float32)
+    assert plan.timed and entries(path)[key]["choice"] in candidates
 
 
 def test_a_choice_among_other_candidates_is_timed_again(tmp_path):

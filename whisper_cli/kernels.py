@@ -849,7 +849,8 @@ def _attention_shape(dtype: torch.dtype, h, t, s, d, kind: str, keys: str = "row
     if keys != "rows":
         name += "/keys-" + keys
     candidates = attention_candidates(cls, dtype, kind, keys)
-    return ShapeClass(name, candidates, (*_attention_timing(*shape), kind, keys))
+    timing = (*_attention_timing(*shape), kind, keys)
+    return ShapeClass(name, candidates, timing, rows_checked=text)
 
 
 # What a GEMM's rows are -> the rows it is timed at (see the invariants).
@@ -894,6 +895,8 @@ class _Op:
     # GEMMs: each candidate on the real weight as a function of its (M, K) rows in the run
     # dtype, (candidates, dtype, weight) -> RowFns; timed on random rows, and checked.
     fns: Callable[[tuple[str, ...], torch.dtype, Tensor], RowFns] | None = None
+    # Ops with `runs` whose classes check rows: the candidates that compute them alike.
+    alike: Callable[[ShapeClass, torch.dtype, torch.device], list[str]] | None = None
 
 
 # Every op the plan decides, by one mechanism: a class per call, a choice per class.
@@ -902,6 +905,9 @@ OPS: dict[str, _Op] = {
         _attention_shape,
         lambda cls, dtype, weight, device: _attention_runs(
             cls.candidates, cls.timing[:5], dtype, device, *cls.timing[5:]
+        ),
+        alike=lambda cls, dtype, device: _steps_alike(
+            cls.candidates, cls.timing[:5], dtype, device
         ),
     ),
     "logits": _Op(_logits_shape, fns=lambda cands, dtype, weight: _logits_fns(cands, weight)),
@@ -1182,18 +1188,51 @@ def _measure(op: _Op, cls: ShapeClass, dtype: torch.dtype, weight: Tensor | None
     """A class's cache entry: every candidate's ms and the choice; where the class checks
     rows (rows_checked), the candidates that compute them alike ("rows_alike"), the
     choice made among those."""
+    alike = None
     if op.fns is None:
-        times = _time(op.runs(cls, dtype, weight, device))
-        return {"choice": _fastest_of(times), "ms": {n: round(t, 3) for n, t in times.items()}}
-    fns = op.fns(cls.candidates, dtype, weight)
-    g = torch.Generator(device=weight.device).manual_seed(0)
-    x = torch.randn(cls.timing[0], weight.shape[1], device=weight.device, generator=g).to(dtype)
-    times = _time({n: (lambda f=f: f(x)) for n, f in fns.items()})
-    entry = {"ms": {n: round(t, 3) for n, t in times.items()}}
-    alike = _rows_alike(fns, x) if cls.rows_checked else None
+        runs = op.runs(cls, dtype, weight, device)
+        if cls.rows_checked and op.alike is not None:
+            alike = op.alike(cls, dtype, device)
+    else:
+        fns = op.fns(cls.candidates, dtype, weight)
+        g = torch.Generator(device=weight.device).manual_seed(0)
+        shape = (cls.timing[0], weight.shape[1])
+        x = torch.randn(shape, device=weight.device, generator=g).to(dtype)
+        runs = {n: (lambda f=f: f(x)) for n, f in fns.items()}
+        alike = _rows_alike(fns, x) if cls.rows_checked else None
+    times = _time(runs)
+    entry = {"choice": _fastest_of(times, alike), "ms": {n: round(t, 3) for n, t in times.items()}}
     if alike is not None:
         entry["rows_alike"] = alike
-    return {"choice": _fastest_of(times, alike), **entry}
+    return entry
+
+
+def _steps_alike(cands, shape, dtype: torch.dtype, device) -> list[str]:
+    """The candidates whose one-query step gives each row, bit for bit, what its own call
+    over just its keys gives, where the rows see their first 1, S/3, S-1 and S keys of S
+    (a refilled step's mask, model.Attention.forward_self): a row's text then depends
+    neither on the rows beside it nor on their positions. "fused" does by construction
+    (csrc/attention.c); the others sum the masked keys' zeros in another order."""
+    _, h, _, s, d = shape
+    g = torch.Generator(device=device).manual_seed(0)
+    opts = {"dtype": dtype, "device": device, "generator": g}
+    q = torch.randn(4, 1, h, d, **opts).transpose(1, 2)  # (B, H, 1, D), as split heads
+    k, v = (torch.randn(4, h, s, d, **opts) for _ in range(2))
+    counts = torch.tensor([1, max(1, s // 3), max(1, s - 1), s], device=device)
+    mask = (torch.arange(s, device=device) < counts[:, None])[:, None, None]  # (B, 1, 1, S)
+    alike = []
+    with torch.no_grad():
+        for name in cands:
+            f = ATTENTION[name]
+            out = f(q, k, v, mask, False)
+            rows = enumerate(counts.tolist())
+            own = [
+                f(q[r : r + 1], k[r : r + 1, :, :n], v[r : r + 1, :, :n], None, False)
+                for r, n in rows
+            ]
+            if torch.equal(out, torch.cat(own)):
+                alike.append(name)
+    return alike
 
 
 def _rows_alike(fns: RowFns, x: Tensor) -> list[str]:
