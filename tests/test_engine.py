@@ -277,6 +277,33 @@ def test_a_refilled_run_decodes_each_row_as_batches_do():
     assert ran.steps < batch.steps
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_with_timed_kernels_a_rows_text_does_not_depend_on_its_batch(dtype, tmp_path, monkeypatch):
+    """The plan's own choices, timed here (the suite's are forced): tiny.en on four real
+    windows, each row's tokens and log-probability are the same alone, in one batch, and
+    refilled two rows at a time (rows at their own positions under a mask)."""
+    monkeypatch.setenv("WHISPER_CLI_KERNELS", "auto")
+    monkeypatch.setenv("WHISPER_CLI_KERNELS_CACHE", str(tmp_path / "kernels.json"))
+    loaded = load_model(str(real_model("tiny.en")), resolve_policy(dtype, "cpu"))
+    assert loaded.model.plan.mode == "auto" and loaded.model.plan.timed
+    jfk = load_audio(shared_clip("jfk.flac"))
+    left = load_audio(shared_clip("stereo_diarization.wav"), "left")
+    long = np.concatenate([left, jfk, left, jfk])
+    windows = [long[i * 240_000 : i * 240_000 + 480_000] for i in range(4)]  # 15 s apart
+    rows = [WindowInput(w, language=None, seed=k) for k, w in enumerate(windows)]
+
+    def run(rows, slots=None):
+        return [
+            (r.tokens, r.avg_logprob)
+            for r in Engine(loaded, DecodeOptions()).run(rows, slots=slots).rows
+        ]
+
+    batched = run(rows)
+    assert run(rows, slots=2) == batched
+    assert [run([r])[0] for r in rows] == batched
+    assert all(tokens for tokens, _ in batched)
+
+
 @pytest.mark.slow
 def test_a_retry_asked_for_as_a_row_finishes_is_decoded_in_the_same_run():
     """tiny.en on five real windows, 2 rows at a time: `on_finish` hears of each row once
