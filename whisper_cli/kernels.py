@@ -23,6 +23,9 @@ Invariants:
   sampled fallbacks differed between --batch-size 16, 5 and 1). A linear layer's class is
   its weight's shape and what its rows are: text tokens (timed at TOKEN_ROWS) or audio
   frames (the encoder and the cross-attention keys and values, timed at ENCODER_ROWS).
+  Where rows share a call of varying size or mask (GEMMs over text tokens, a step's
+  attention over the text's keys), the timing also checks that a candidate gives each
+  row what it gives the row alone (_rows_alike, _steps_alike), and chooses among those.
 * A choice in mode auto comes from the cache file (kernels_cache_path()), per CPU model,
   torch version, thread count, dtype and shape class; where it has none, from a timing of
   every candidate on synthetic inputs of that class (time_candidates), merged into the
@@ -704,8 +707,8 @@ def _one_row_as_two(run: Callable[..., Tensor], x: Tensor, *args) -> Tensor:
     oneDNN and BLAS take a matrix-vector path for one row, which sums in another order
     than their GEMM (measured, Zen 4: oneDNN's packed f32 and bf16 GEMMs at K 1536 and
     2048 differ there alone), so a row's last tokens, stepped alone once the rest of its
-    batch has finished, would round otherwise than in company. Costs nothing measurable:
-    the step reads the weight once either way."""
+    batch has finished, would round otherwise than in company. The second row costs
+    little: a one-row GEMM reads the whole weight either way."""
     if x.numel() != x.shape[-1]:
         return run(x, *args)
     out = run(x.reshape(1, -1).expand(2, -1).contiguous(), *args)  # (2, N)
@@ -828,8 +831,8 @@ def _bucket(n: int) -> int:
 
 
 def _attention_timing(h: int, t: int, s: int, d: int) -> tuple[int, int, int, int, int]:
-    """The shape a class of attention is timed at: the queries cut to two blocks, and
-    TOKEN_ROWS (batch, head) pairs cut so that one K tensor, and the scores, hold at most
+    """The shape a class of attention is timed at: the queries cut to two blocks, and a
+    batch of TOKEN_ROWS cut so that one K tensor, and the scores, hold at most
     TIMING_ELEMENTS (per-row costs, not totals, are compared: timing the encoder's
     attention costs about one window's per candidate)."""
     t = min(t, 2 * BLOCK_ROWS)  # encoder: per-row costs of sdpa and blocked are flat in T
