@@ -165,7 +165,7 @@ def test_render_table_and_json_of_a_report() -> None:
 
 
 def test_the_kernel_plan_is_reported() -> None:
-    plan = {"mode": "auto", "choices": {"attention/f32/decode/H6xT1xS64xD64/none": "sdpa"}}
+    plan = {"mode": "auto", "choices": {"attention/f32/decode/H6xT1xStextxD64/none": "sdpa"}}
     result = _fake_result(kernels=plan, kernels_summary="auto (cpu, f32): attention sdpa x1")
     report = BenchReport(BenchConfig(model="tiny.en", dtypes=("f32",)), "speech", 600.0, (result,))
     assert "kernels of tiny.en f32: auto (cpu, f32): attention sdpa x1" in render_table(report)
@@ -280,7 +280,7 @@ def test_short_real_run_reports_every_field() -> None:
     kernels = result["kernels"]
     assert kernels["mode"] == SUITE_KERNELS and kernels["dtype"] == "f32"
     assert kernels["threads"] == 1 and kernels["timed_now"] == 0
-    assert "attention/f32/decode/H6xT1xS64xD64/none" in kernels["choices"]
+    assert "attention/f32/decode/H6xT1xStextxD64/none" in kernels["choices"]
     assert "linear/f32/N1536xK384/frames" in kernels["choices"]  # the encoder's fc1
     assert set(kernels["choices"].values()) <= {"sdpa", "matmul", "fused", "linear", "conv"}
     assert result["kernels_summary"].startswith(f"{SUITE_KERNELS} (cpu, f32, 1 threads")
