@@ -24,9 +24,14 @@ It prints, per question:
   cuts    with the map on, long readings whose windows are cut inside speech: the words
           lost and invented at each slack for a window its end cut off, and the windows
           judged silent (-> cut_end_slack_seconds)
+  repeats with the map on, the corpus, speech that repeats itself (a sentence said four
+          times, short words three times running, a word list with every word twice)
+          and the non-speech: in windows where every temperature failed, the reference
+          words found and the words invented by the attempt judge.best keeps, against
+          faster-whisper's rule (-> judge.repeats_speech)
 
     python scripts/calibrate_speech.py [--model models/tiny.en] [--model models/base]
-        [--only detector|text|ends|spans|cuts]
+        [--only detector|text|ends|spans|cuts|repeats]
 """
 
 from __future__ import annotations
@@ -390,6 +395,124 @@ def text_evidence(model: str, items: list[dict], tmp: Path) -> None:
         print(f"  margin {margin}: least speech under a real segment {real_min:.2f} s")
 
 
+def repeated_readings() -> list[dict]:
+    """Speech that repeats itself, as people do: a sentence said four times, short words
+    said three times running, a word list with every word twice; clean and in noise."""
+    items = []
+    for lang, voices in VOICES.items():
+        for v, voice in enumerate(voices):
+            for snr in (None, 10):
+                sentence = SENTENCES[lang][-1]
+                said = speak(sentence, voice)
+                items.append(
+                    {
+                        "name": f"{voice} sentence x4 snr {snr}",
+                        "lang": lang,
+                        "audio": with_noise(
+                            np.concatenate([silence(1.0), *[said, silence(1.0)] * 4]),
+                            snr,
+                            "white",
+                            v + 11,
+                        ),
+                        "reference": " ".join([sentence] * 4),
+                    }
+                )
+                short = SHORT.get(lang, WORDS[lang][:2])
+                pieces = [silence(1.0)]
+                for word in short:
+                    pieces += [speak(word, voice), silence(0.3)] * 3 + [silence(1.0)]
+                items.append(
+                    {
+                        "name": f"{voice} short words x3 snr {snr}",
+                        "lang": lang,
+                        "audio": with_noise(np.concatenate(pieces), snr, "brown", v + 13),
+                        "reference": " ".join(w for w in short for _ in range(3)),
+                    }
+                )
+                pieces = [silence(1.0)]
+                for word in WORDS[lang]:
+                    pieces += [speak(word, voice), silence(0.6)] * 2 + [silence(0.8)]
+                items.append(
+                    {
+                        "name": f"{voice} words x2 snr {snr}",
+                        "lang": lang,
+                        "audio": with_noise(np.concatenate(pieces), snr, "white", v + 17),
+                        "reference": " ".join(w for w in WORDS[lang] for _ in range(2)),
+                    }
+                )
+    return items
+
+
+def repeat_evidence(model: str, items: list[dict], tmp: Path) -> None:
+    """Windows where every temperature failed: the attempt kept by judge.best against the
+    one faster-whisper's rule keeps (best log-prob among the attempts that are not too
+    repetitive), in words of the reference found and words invented."""
+    from collections import Counter
+
+    from whisper_cli.judge import needs_fallback, row_text
+    from whisper_cli.segments import compression_ratio
+
+    loaded = load_model(model, resolve_policy("f32", "cpu"))
+    tokenizer, policy = loaded.tokenizer, Policy()
+    chosen = [i for i in items if loaded.tokenizer.is_multilingual or i["lang"] == "en"]
+    paths = []
+    for n, item in enumerate(chosen):
+        paths.append(str(tmp / f"r{n}.wav"))
+        sf.write(paths[-1], item["audio"], RATE, subtype="FLOAT")
+    seen: list[tuple] = []
+    real = pipeline.judge
+
+    def spy(window, attempts, *args, **kwargs):  # the judge is pure: watching it is safe
+        verdict = real(window, attempts, *args, **kwargs)
+        if verdict.final and not verdict.silent:
+            seen.append((chosen[window.source], list(attempts), verdict))
+        return verdict
+
+    pipeline.judge = spy
+    try:
+        t = pipeline.Transcriber(loaded, TranscribeOptions(policy=policy))
+        t.run(paths, lambda r: None, print)
+    finally:
+        pipeline.judge = real
+    print(f"\n## repeats ({Path(model).name}, map on): windows where every attempt failed")
+    print("  kept by: judge.best / faster-whisper's rule; reference words found, words invented")
+    totals = Counter()
+    for item, attempts, verdict in seen:
+        texts = [row_text(a, tokenizer) for a in attempts]
+        if len(attempts) < 2 or not needs_fallback(attempts[-1], texts[-1], policy):
+            continue
+        fine = [
+            a
+            for a, text in zip(attempts, texts, strict=True)
+            if not a.looped and compression_ratio(text) <= policy.compression_ratio_threshold
+        ]
+        theirs = max(fine or attempts, key=lambda a: a.avg_logprob)
+        reference = Counter(normalised(item["reference"]).split())
+        known = set(reference)
+        figures = []
+        for row in (verdict.row, theirs):
+            said = Counter(normalised(row_text(row, tokenizer)).split())
+            found = sum((said & reference).values())
+            invented = sum(n for w, n in said.items() if w not in known)
+            figures.append((found, invented, row.avg_logprob))
+        totals["windows"] += 1
+        totals["changed"] += verdict.row is not theirs
+        for k, (found, invented, _) in zip(("ours", "theirs"), figures, strict=True):
+            totals[f"{k} found"] += found
+            totals[f"{k} invented"] += invented
+        (f1, i1, l1), (f2, i2, l2) = figures
+        mark = "same" if verdict.row is theirs else "CHANGED"
+        print(
+            f"  {mark}: found {f1} / {f2}, invented {i1} / {i2}, log-prob {l1:.2f} / {l2:.2f}"
+            f" of {sum(reference.values())} words [{item['name']}]"
+        )
+    print(
+        f"  {totals['windows']} windows, {totals['changed']} changed; found "
+        f"{totals['ours found']} / {totals['theirs found']}, invented "
+        f"{totals['ours invented']} / {totals['theirs invented']}"
+    )
+
+
 def end_evidence(model: str, items: list[dict], tmp: Path) -> None:
     # Map off and no hold: where does the model end by itself?
     policy = Policy(min_speech_seconds=1e6)
@@ -604,7 +727,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", default=None)
     parser.add_argument(
-        "--only", choices=["detector", "text", "ends", "spans", "cuts"], default=None
+        "--only", choices=["detector", "text", "ends", "spans", "cuts", "repeats"], default=None
     )
     args = parser.parse_args()
     detector = load_detector()
@@ -624,6 +747,12 @@ def main() -> None:
                 span_evidence(model, items, Path(tmp))
             if args.only in (None, "cuts"):
                 cut_evidence(model, Path(tmp))
+            if args.only in (None, "repeats"):
+                heard = repeated_readings() + [
+                    {"name": name, "lang": "en", "audio": audio, "reference": ""}
+                    for name, audio in non_speech().items()
+                ]
+                repeat_evidence(model, items + heard, Path(tmp))
 
 
 if __name__ == "__main__":

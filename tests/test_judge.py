@@ -197,5 +197,53 @@ def test_fallback_rules_and_the_best_attempt(tok) -> None:
     # Among those that are not repetitive, the best average log-prob (faster-whisper's rule).
     candidates = [looping, unsure, less_unsure, unsure]
     texts_ = [text * 8, text, text, text]
-    assert best(candidates, texts_, POLICY) is less_unsure
-    assert best([looping, looping], [text * 8] * 2, POLICY) is looping  # the best of all
+    ts = tok.special.timestamp_begin
+    heard = window([(0.0, 3.0)])
+    # A looping attempt is never taken for speech that repeats: the guard cut it.
+    assert best(heard, candidates, texts_, POLICY, ts) is less_unsure
+    assert best(heard, [looping, looping], [text * 8] * 2, POLICY, ts) is looping  # best of all
+
+
+SENTENCE = " He began a confused complaint against the wizard."
+SAID = [(0.2 + 5.0 * i, 4.8 + 5.0 * i) for i in range(5)]  # said five times, 0.4 s apart
+
+
+def test_speech_that_repeats_itself_beats_a_garbled_draw(tok) -> None:
+    """Every attempt failed: the confident ones by repeating themselves, the last draw by
+    being unsure. Speech lies under each repeat, so the repeats are what was said."""
+    confident = row(tok, [(a, b, SENTENCE, -0.1) for a, b in SAID])
+    garbled = row(tok, [(0.2, 24.8, " He began a cough at the wizard, clapped the ant.", -1.9)])
+    attempts = [confident] * (len(POLICY.temperatures) - 1) + [garbled]
+    repeated = SENTENCE.strip() * 5
+    assert needs_fallback(confident, repeated, POLICY)  # gzip ratio above 2.4
+    verdict = judge(window(SAID, seconds=25.0), attempts, POLICY, tok)
+    assert verdict.final and verdict.row is confident
+    assert texts(verdict) == [SENTENCE.strip()] * 5
+
+
+@pytest.mark.parametrize(
+    "heard",
+    [
+        pytest.param(SAID[:2], id="a loop over non-speech"),
+        pytest.param([], id="no speech at all"),
+    ],
+)
+def test_a_confident_loop_where_no_one_speaks_is_not_taken_for_speech(tok, heard) -> None:
+    """The same attempts, but the map hears the sentence twice (or never): the confident
+    repeats run on over non-speech, so they are a loop, and faster-whisper's rule keeps
+    the draw that is not repetitive."""
+    confident = row(tok, [(a, b, SENTENCE, -0.1) for a, b in SAID])
+    unsure = row(tok, [(0.2, 9.8, SENTENCE * 2, -1.9)])
+    attempts = [confident] * (len(POLICY.temperatures) - 1) + [unsure]
+    texts_ = [SENTENCE.strip() * 5] * (len(attempts) - 1) + [SENTENCE.strip() * 2]
+    w = window(heard, seconds=25.0)
+    assert best(w, attempts, texts_, POLICY, tok.special.timestamp_begin) is unsure
+
+
+def test_an_unsure_repetition_is_not_taken_for_speech(tok) -> None:
+    """Repeats over speech, but unsure: nothing says that they are what was said."""
+    repeats = row(tok, [(a, b, SENTENCE, -1.5) for a, b in SAID])
+    draw = row(tok, [(0.2, 24.8, SENTENCE, -1.2)])
+    texts_ = [SENTENCE.strip() * 5, SENTENCE.strip()]
+    w = window(SAID, seconds=25.0)
+    assert best(w, [repeats, draw], texts_, POLICY, tok.special.timestamp_begin) is draw

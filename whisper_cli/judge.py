@@ -66,18 +66,54 @@ def needs_fallback(row: DecodedRow, text: str, policy: Policy) -> bool:
     )
 
 
-def best(attempts: list[DecodedRow], texts: list[str], policy: Policy) -> DecodedRow:
-    """The last attempt if it passed; else, as faster-whisper, the best average log-prob
-    among the attempts that are not too repetitive (or among all, if none is)."""
+def best(
+    window: Window,
+    attempts: list[DecodedRow],
+    texts: list[str],
+    policy: Policy,
+    timestamp_begin: int,
+) -> DecodedRow:
+    """The last attempt if it passed; else the best average log-prob among the attempts
+    that repeat what was heard (see `repeats_speech`), or else, as faster-whisper, among
+    those that are not too repetitive (or among all, if none is).
+
+    When every attempt fails, each has failed one way: a confident one by repeating itself
+    (sampling until the repeats give way is what fallback is for), the others by being
+    unsure. But speech that itself repeats (a phrase said again, a word list, a refrain)
+    compresses like a loop at every temperature, and then the sampled draws are the only
+    "fine" attempts: faster-whisper's rule kept base's draw at T=1.0 (avg log-prob -2.8:
+    "asked which you can do", "is poucia keep i couldator ...") over five confident
+    attempts (-0.16 to -0.42) that agreed on the words. A confident repetitive attempt
+    every piece of which lies over speech is the better evidence of what was said.
+    """
     last = attempts[-1]
     if len(attempts) == 1 or not needs_fallback(last, texts[-1], policy):
         return last
+    heard = [a for a in attempts if repeats_speech(window, a, policy, timestamp_begin)]
     fine = [
         a
         for a, text in zip(attempts, texts, strict=True)
         if not a.looped and compression_ratio(text) <= policy.compression_ratio_threshold
     ]
-    return max(fine or attempts, key=lambda a: a.avg_logprob)
+    return max(heard or fine or attempts, key=lambda a: a.avg_logprob)
+
+
+def repeats_speech(window: Window, row: DecodedRow, policy: Policy, timestamp_begin: int) -> bool:
+    """Whether an attempt's repetition is plausibly the audio's own: it is confident, ran
+    to its end (the repetition guard did not cut it), and speech lies under every one of
+    its timed pieces (as `speech_under` reads it for text over non-speech)."""
+    if row.looped or row.avg_logprob < policy.logprob_threshold:
+        return False
+    pieces = text_pieces(row.tokens, timestamp_begin, window.duration)
+    return bool(pieces) and all(speech_under(window, p.start, p.end, policy) for p in pieces)
+
+
+def speech_under(window: Window, start: float, end: float, policy: Policy) -> bool:
+    """Whether the map holds speech under [start, end) seconds of the window, its timing
+    margin included (the decoder's timestamps are that far off)."""
+    margin = policy.text_speech_margin_seconds
+    speech = window.speech_seconds_between(start - margin, end + margin)
+    return speech >= policy.text_min_speech_seconds
 
 
 def over_non_speech(
@@ -86,9 +122,7 @@ def over_non_speech(
     """Whether text at [start, end) seconds of the window lies over non-speech: the map
     holds (almost) no speech under it, its timing margin included, and the decoder
     doubts it (its own tokens are unlikely, or the window is probably silent)."""
-    margin = policy.text_speech_margin_seconds
-    speech = window.speech_seconds_between(start - margin, end + margin)
-    if speech >= policy.text_min_speech_seconds:
+    if speech_under(window, start, end, policy):
         return False
     return logprob < policy.logprob_threshold or row.no_speech_prob > policy.no_speech_threshold
 
@@ -120,7 +154,7 @@ def judge(
         return Judgement(final=True, row=attempts[0], silent=True)
     if needs_fallback(attempts[-1], texts[-1], policy) and len(attempts) < len(policy.temperatures):
         return Judgement(final=False)
-    row = best(attempts, texts, policy)
+    row = best(window, attempts, texts, policy, tokenizer.special.timestamp_begin)
     kept: list[Segment] = []
     repetitive = dropped = 0
     for piece in text_pieces(row.tokens, tokenizer.special.timestamp_begin, window.duration):
