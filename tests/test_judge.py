@@ -6,6 +6,8 @@ planted log-probs, and the policy.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from util import real_tokenizer
@@ -247,3 +249,14 @@ def test_an_unsure_repetition_is_not_taken_for_speech(tok) -> None:
     texts_ = [SENTENCE.strip() * 5, SENTENCE.strip()]
     w = window(SAID, seconds=25.0)
     assert best(w, [repeats, draw], texts_, POLICY, tok.special.timestamp_begin) is draw
+
+
+@pytest.mark.parametrize("stopped", ["looped", "hit_max_tokens"])
+def test_a_confident_try_that_did_not_end_by_itself_is_not_taken_for_speech(tok, stopped):
+    """Repeats over speech, confident, but stopped by the guard or by max_new_tokens: a
+    loop of a period the guard misses runs on to the limit (tiny.en on German)."""
+    confident = replace(row(tok, [(a, b, SENTENCE, -0.1) for a, b in SAID]), **{stopped: True})
+    draw = row(tok, [(0.2, 24.8, SENTENCE, -1.2)])
+    texts_ = [SENTENCE.strip() * 5, SENTENCE.strip()]
+    w = window(SAID, seconds=25.0)
+    assert best(w, [confident, draw], texts_, POLICY, tok.special.timestamp_begin) is draw

@@ -99,10 +99,11 @@ def best(
 
 
 def repeats_speech(window: Window, row: DecodedRow, policy: Policy, timestamp_begin: int) -> bool:
-    """Whether an attempt's repetition is plausibly the audio's own: it is confident, ran
-    to its end (the repetition guard did not cut it), and speech lies under every one of
-    its timed pieces (as `speech_under` reads it for text over non-speech)."""
-    if row.looped or row.avg_logprob < policy.logprob_threshold:
+    """Whether an attempt's repetition is plausibly the audio's own: it is confident, ended
+    by itself (neither the repetition guard nor max_new_tokens stopped it: a loop the guard
+    misses, of a period above its longest, runs on to the limit), and speech lies under
+    every one of its timed pieces (as `speech_under` reads it for text over non-speech)."""
+    if row.looped or row.hit_max_tokens or row.avg_logprob < policy.logprob_threshold:
         return False
     pieces = text_pieces(row.tokens, timestamp_begin, window.duration)
     return bool(pieces) and all(speech_under(window, p.start, p.end, policy) for p in pieces)
