@@ -490,8 +490,10 @@ def repeat_evidence(model: str, items: list[dict], tmp: Path) -> None:
         reference = Counter(normalised(item["reference"]).split())
         known = set(reference)
         figures = []
-        for row in (verdict.row, theirs):
-            said = Counter(normalised(row_text(row, tokenizer)).split())
+        # Ours as kept (the judge's segments); theirs as the attempt's whole text.
+        ours = " ".join(segment.text for segment in verdict.segments)
+        for row, text in ((verdict.row, ours), (theirs, row_text(theirs, tokenizer))):
+            said = Counter(normalised(text).split())
             found = sum((said & reference).values())
             invented = sum(n for w, n in said.items() if w not in known)
             figures.append((found, invented, row.avg_logprob))

@@ -260,3 +260,29 @@ def test_a_confident_try_that_did_not_end_by_itself_is_not_taken_for_speech(tok,
     texts_ = [SENTENCE.strip() * 5, SENTENCE.strip()]
     w = window(SAID, seconds=25.0)
     assert best(w, [confident, draw], texts_, POLICY, tok.special.timestamp_begin) is draw
+
+
+def test_one_repeat_too_many_in_the_time_left_is_dropped(tok) -> None:
+    """Five sentences 5 s each, and the same words once more in the last second: the
+    decoder counting one too many (base on the wizard said five times)."""
+    pieces = [(a, b, SENTENCE, -0.1) for a, b in SAID] + [(25.0, 26.0, SENTENCE, -0.1)]
+    attempts = [row(tok, pieces)] * len(POLICY.temperatures)  # it repeats at every one
+    verdict = judge(window([(0.2, 26.0)], seconds=26.0), attempts, POLICY, tok)
+    assert texts(verdict) == [SENTENCE.strip()] * 5 and verdict.repetitive == 1
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        pytest.param((2.0, 3.0), id="said again at half the pace"),
+        pytest.param((2.0, 2.8), id="the same words are not the same text"),
+    ],
+)
+def test_a_repeat_in_plausible_time_or_other_words_is_kept(tok, second) -> None:
+    """No, no: repeated words said faster are still said, and other words in a short span
+    are not a repeat at all."""
+    other = second == (2.0, 2.8)
+    pieces = [(0.0, 2.0, " No, no.", -0.2), (*second, " No, you." if other else " No, no.", -0.2)]
+    verdict = judge(window([(0.0, 3.0)]), [row(tok, pieces)], POLICY, tok)
+    assert texts(verdict) == ["No, no.", "No, you." if other else "No, no."]
+    assert verdict.repetitive == 0

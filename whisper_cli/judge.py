@@ -32,7 +32,7 @@ class Judgement:
     row: DecodedRow | None = None  # the attempt kept (final only)
     segments: tuple[Segment, ...] = ()  # kept, in input time
     silent: bool = False  # judged no speech: no text, and its cuts are not the user's concern
-    repetitive: int = 0  # segments dropped above the compression-ratio threshold
+    repetitive: int = 0  # dropped: above the compression-ratio threshold, or repeats_too_fast
     over_non_speech: int = 0  # segments dropped: no speech under them, the decoder unsure
 
 
@@ -128,6 +128,21 @@ def over_non_speech(
     return logprob < policy.logprob_threshold or row.no_speech_prob > policy.no_speech_threshold
 
 
+def repeats_too_fast(segment: Segment, earlier: list[Segment], policy: Policy) -> bool:
+    """Whether the segment says an earlier kept segment's words again, in under
+    policy.repeat_min_span_fraction of that segment's time."""
+    words = _words(segment.text)
+    span = segment.end - segment.start
+    return any(
+        _words(e.text) == words and span < policy.repeat_min_span_fraction * (e.end - e.start)
+        for e in earlier
+    )
+
+
+def _words(text: str) -> list[str]:
+    return "".join(c.lower() if c.isalnum() else " " for c in text).split()
+
+
 def judge(
     window: Window,
     attempts: list[DecodedRow],
@@ -173,6 +188,9 @@ def judge(
             continue
         if segment.compression_ratio > policy.compression_ratio_threshold:
             repetitive += 1  # a loop that survived every temperature
+            continue
+        if repeats_too_fast(segment, kept, policy):
+            repetitive += 1  # one repeat too many, squeezed into what time was left
             continue
         logprobs = row.token_logprobs[piece.tokens]
         logprob = sum(logprobs) / len(logprobs)

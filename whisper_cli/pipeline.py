@@ -72,7 +72,7 @@ class _Result:
     # Text the guards or limits cut, reported as the transcript's warnings (_cut_warnings).
     hit_max_tokens: int = 0  # windows that used all of max_new_tokens without ending
     looped: int = 0  # windows that looped at every temperature (cut by the guard)
-    too_repetitive: int = 0  # segments dropped above compression_ratio_threshold
+    too_repetitive: int = 0  # segments dropped as repetitive (see judge.Judgement)
 
 
 @dataclass
@@ -586,7 +586,9 @@ class Transcriber:
                 TranscriptWarning(
                     "repetitive",
                     f"{result.too_repetitive} segment(s) dropped as repetitive (above "
-                    f"--compression-ratio-threshold {p.compression_ratio_threshold:g})",
+                    f"--compression-ratio-threshold {p.compression_ratio_threshold:g}, or "
+                    f"an earlier segment's words again in under {p.repeat_min_span_fraction:.2f} "
+                    "of its time)",
                 )
             )
         return found
