@@ -25,7 +25,7 @@ Invariants:
   frames (the encoder and the cross-attention keys and values, timed at ENCODER_ROWS).
   Where rows share a call of varying size or mask (GEMMs over text tokens, a step's
   attention over the text's keys), the timing also checks that a candidate gives each
-  row what it gives the row alone (_rows_alike, _steps_alike), and chooses among those.
+  row what it gives the row alone (_rows_alike, _step_alike), and chooses among those.
 * A choice in mode auto comes from the cache file (kernels_cache_path()), per CPU model,
   torch version, thread count, dtype and shape class; where it has none, from a timing of
   every candidate on synthetic inputs of that class (time_candidates), merged into the
@@ -113,7 +113,15 @@ TIMING_MAX_REPS = 20
 TIMING_MIN_S = 0.05
 TIMING_CUTOFF = 4.0
 TIMING_MARGIN = 0.95
-CACHE_VERSION = 5  # a file of another version is read as empty (its choices timed again)
+# Outputs a half-dtype check of rows (_rows_alike, _step_alike) compares, at least, over
+# fresh random draws. A half kernel computes in float32 and rounds once, so two sums that
+# differ in float32's last bits mostly round to the same bf16 value: measured on Zen 3,
+# torch's f32 GEMM under a bf16 N384xK384 linear differs at 1-3 rows of 16 in float32,
+# yet one draw of 16 rows showed it in 9 of 40 draws, and chosen, it changed a row's text
+# with its batch. 2^19 outputs is 86 draws there (missed with odds ~0.78^86, 3e-10), one
+# for the vocabulary projection; a float32 check shows every difference in one draw.
+CHECK_OUTPUTS = 1 << 19
+CACHE_VERSION = 6  # a file of another version is read as empty (its choices timed again)
 
 
 # --- attention implementations ------------------------------------------------------
@@ -898,8 +906,9 @@ class _Op:
     # GEMMs: each candidate on the real weight as a function of its (M, K) rows in the run
     # dtype, (candidates, dtype, weight) -> RowFns; timed on random rows, and checked.
     fns: Callable[[tuple[str, ...], torch.dtype, Tensor], RowFns] | None = None
-    # Ops with `runs` whose classes check rows: the candidates that compute them alike.
-    alike: Callable[[ShapeClass, torch.dtype, torch.device], list[str]] | None = None
+    # Ops with `runs` whose classes check rows: whether a candidate computes them alike,
+    # (name, class, dtype, device) -> bool.
+    alike: Callable[[str, ShapeClass, torch.dtype, torch.device], bool] | None = None
 
 
 # Every op the plan decides, by one mechanism: a class per call, a choice per class.
@@ -909,8 +918,8 @@ OPS: dict[str, _Op] = {
         lambda cls, dtype, weight, device: _attention_runs(
             cls.candidates, cls.timing[:5], dtype, device, *cls.timing[5:]
         ),
-        alike=lambda cls, dtype, device: _steps_alike(
-            cls.candidates, cls.timing[:5], dtype, device
+        alike=lambda name, cls, dtype, device: _step_alike(
+            ATTENTION[name], cls.timing[:5], dtype, device
         ),
     ),
     "logits": _Op(_logits_shape, fns=lambda cands, dtype, weight: _logits_fns(cands, weight)),
@@ -1189,69 +1198,101 @@ def _fastest_of(times: dict[str, float], among: Iterable[str] | None = None) -> 
 
 def _measure(op: _Op, cls: ShapeClass, dtype: torch.dtype, weight: Tensor | None, device) -> dict:
     """A class's cache entry: every candidate's ms and the choice; where the class checks
-    rows (rows_checked), the candidates that compute them alike ("rows_alike"), the
-    choice made among those."""
-    alike = None
+    rows (rows_checked), the choice made among the candidates that compute them alike, and
+    what the check found of those it had to check ("rows_alike", see _fastest_alike)."""
+    check = None  # candidate -> whether it computes each row alike in any company
     if op.fns is None:
         runs = op.runs(cls, dtype, weight, device)
         if cls.rows_checked and op.alike is not None:
-            alike = op.alike(cls, dtype, device)
+            check = lambda name: op.alike(name, cls, dtype, device)  # noqa: E731
     else:
         fns = op.fns(cls.candidates, dtype, weight)
         g = torch.Generator(device=weight.device).manual_seed(0)
         shape = (cls.timing[0], weight.shape[1])
         x = torch.randn(shape, device=weight.device, generator=g).to(dtype)
         runs = {n: (lambda f=f: f(x)) for n, f in fns.items()}
-        alike = _rows_alike(fns, x) if cls.rows_checked else None
+        if cls.rows_checked:
+            more = _check_draws(dtype, shape[0] * weight.shape[0]) - 1
+            fresh = (torch.randn(shape, device=x.device, generator=g) for _ in range(more))
+            draws = [x, *(r.to(dtype) for r in fresh)]
+            check = lambda name: _rows_alike(fns[name], draws)  # noqa: E731
     times = _time(runs)
-    entry = {"choice": _fastest_of(times, alike), "ms": {n: round(t, 3) for n, t in times.items()}}
-    if alike is not None:
-        entry["rows_alike"] = alike
-    return entry
+    ms = {n: round(t, 3) for n, t in times.items()}
+    if check is None:
+        return {"choice": _fastest_of(times), "ms": ms}
+    choice, checked = _fastest_alike(times, check)
+    return {"choice": choice, "ms": ms, "rows_alike": checked}
 
 
-def _steps_alike(cands, shape, dtype: torch.dtype, device) -> list[str]:
-    """The candidates whose one-query step gives each row, bit for bit, what its own call
-    over just its keys gives, where the rows see their first 1, S/3, S-1 and S keys of S
-    (a refilled step's mask, model.Attention.forward_self): a row's text then depends
-    neither on the rows beside it nor on their positions. "fused" does by construction
-    (csrc/attention.c); the others sum the masked keys' zeros in another order."""
+def _fastest_alike(times: dict[str, float], alike: Callable[[str], bool]) -> tuple[str, dict]:
+    """_fastest_of(times) among the candidates `alike` accepts (all, where it accepts none),
+    checking only those that decide it: in order of speed up to the first accepted, and
+    the reference where that one is not TIMING_MARGIN faster. The check costs seconds on a
+    slow candidate in a half dtype (_check_draws), and the slow ones are never chosen.
+    Returns the choice and what was found of each candidate checked."""
+    checked: dict[str, bool] = {}
+
+    def ok(name: str) -> bool:
+        if name not in checked:
+            checked[name] = alike(name)
+        return checked[name]
+
+    reference = next(iter(times))
+    best = next((n for n in sorted(times, key=times.__getitem__) if ok(n)), None)
+    if best is None:
+        return _fastest_of(times), checked
+    if best == reference or times[best] < TIMING_MARGIN * times[reference]:
+        return best, checked
+    return (reference if ok(reference) else best), checked
+
+
+def _check_draws(dtype: torch.dtype, outputs: int) -> int:
+    """Random draws a check of rows makes, where one draw compares `outputs` values: one in
+    float32, enough for CHECK_OUTPUTS in a half dtype (see there)."""
+    return 1 if dtype == torch.float32 else max(1, math.ceil(CHECK_OUTPUTS / outputs))
+
+
+def _step_alike(f: Attention, shape, dtype: torch.dtype, device) -> bool:
+    """Whether a one-query step of `f` gives each row, bit for bit, what its own call over
+    just its keys gives, where the rows see their first 1, S/3, S-1 and S keys of S (a
+    refilled step's mask, model.Attention.forward_self), on every draw (_check_draws): a
+    row's text then depends neither on the rows beside it nor on their positions. "fused"
+    does by construction (csrc/attention.c); the others sum the masked keys' zeros in
+    another order."""
     _, h, _, s, d = shape
     g = torch.Generator(device=device).manual_seed(0)
     opts = {"dtype": dtype, "device": device, "generator": g}
-    q = torch.randn(4, 1, h, d, **opts).transpose(1, 2)  # (B, H, 1, D), as split heads
-    k, v = (torch.randn(4, h, s, d, **opts) for _ in range(2))
     counts = torch.tensor([1, max(1, s // 3), max(1, s - 1), s], device=device)
     mask = (torch.arange(s, device=device) < counts[:, None])[:, None, None]  # (B, 1, 1, S)
-    alike = []
+
+    def alike_on_a_draw() -> bool:
+        q = torch.randn(4, 1, h, d, **opts).transpose(1, 2)  # (B, H, 1, D), as split heads
+        k, v = torch.randn(4, h, s, d, **opts), torch.randn(4, h, s, d, **opts)
+        own = [
+            f(q[r : r + 1], k[r : r + 1, :, :n], v[r : r + 1, :, :n], None, False)
+            for r, n in enumerate(counts.tolist())
+        ]
+        return torch.equal(f(q, k, v, mask, False), torch.cat(own))
+
     with torch.no_grad():
-        for name in cands:
-            f = ATTENTION[name]
-            out = f(q, k, v, mask, False)
-            rows = enumerate(counts.tolist())
-            own = [
-                f(q[r : r + 1], k[r : r + 1, :, :n], v[r : r + 1, :, :n], None, False)
-                for r, n in rows
-            ]
-            if torch.equal(out, torch.cat(own)):
-                alike.append(name)
-    return alike
+        return all(alike_on_a_draw() for _ in range(_check_draws(dtype, 4 * h * d)))
 
 
-def _rows_alike(fns: RowFns, x: Tensor) -> list[str]:
-    """The candidates whose result for each of x's first m rows is, bit for bit, the one
-    for them among all of x's, for every m below x's rows, called as the entry points call
-    them (_one_row_as_two). Implementations round differently at some row counts (on Zen
-    4, torch's f32 GEMM at 1-3, 5-7 and 9-11 rows of 16): chosen for text tokens, such a
-    one makes a row's text depend on how many rows share its step."""
-    alike = []
+def _rows_alike(fn: Callable[[Tensor], Tensor], draws: list[Tensor]) -> bool:
+    """Whether fn's result for each of a draw's first m rows is, bit for bit, the one for
+    them among all of its rows, for every m below its rows and on every draw
+    (_check_draws), called as the entry points call it (_one_row_as_two).
+    Implementations round differently at some row counts (on Zen 3 and Zen 4, torch's f32
+    GEMM at 1-3, 5-7 and 9-11 rows of 16): chosen for text tokens, such a one makes a
+    row's text depend on how many rows share its step."""
+
+    def alike(x: Tensor) -> bool:
+        whole = fn(x)
+        rows = range(1, x.shape[0])
+        return all(torch.equal(_one_row_as_two(fn, x[:m]), whole[:m]) for m in rows)
+
     with torch.no_grad():
-        for name, fn in fns.items():
-            whole = fn(x)
-            rows = range(1, x.shape[0])
-            if all(torch.equal(_one_row_as_two(fn, x[:m]), whole[:m]) for m in rows):
-                alike.append(name)
-    return alike
+        return all(alike(x) for x in draws)
 
 
 def _fastest(candidates: Runs) -> tuple[str, dict[str, float]]:
