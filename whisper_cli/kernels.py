@@ -1225,11 +1225,11 @@ def _measure(op: _Op, cls: ShapeClass, dtype: torch.dtype, weight: Tensor | None
 
 
 def _fastest_alike(times: dict[str, float], alike: Callable[[str], bool]) -> tuple[str, dict]:
-    """_fastest_of(times) among the candidates `alike` accepts (all, where it accepts none),
-    checking only those that decide it: in order of speed up to the first accepted, and
-    the reference where that one is not TIMING_MARGIN faster. The check costs seconds on a
-    slow candidate in a half dtype (_check_draws), and the slow ones are never chosen.
-    Returns the choice and what was found of each candidate checked."""
+    """_fastest_of(times) among the candidates `alike` accepts, checking only those that
+    decide it: in order of speed up to the first accepted, and then the reference where
+    it would win over that one. The check costs seconds on a slow candidate in a half
+    dtype (_check_draws), and the slow ones are never chosen. Returns the choice and what
+    was found of each candidate checked."""
     checked: dict[str, bool] = {}
 
     def ok(name: str) -> bool:
@@ -1239,11 +1239,9 @@ def _fastest_alike(times: dict[str, float], alike: Callable[[str], bool]) -> tup
 
     reference = next(iter(times))
     best = next((n for n in sorted(times, key=times.__getitem__) if ok(n)), None)
-    if best is None:
-        return _fastest_of(times), checked
-    if best == reference or times[best] < TIMING_MARGIN * times[reference]:
-        return best, checked
-    return (reference if ok(reference) else best), checked
+    if best is not None and _fastest_of(times, [best, reference]) == reference:
+        ok(reference)
+    return _fastest_of(times, [n for n, passed in checked.items() if passed]), checked
 
 
 def _check_draws(dtype: torch.dtype, outputs: int) -> int:
