@@ -2,7 +2,9 @@
 
 Builds N minutes of real English speech from ../shared/audio (with its reference text),
 then times each implementation as a separate process (load included), `--repeats` times
-in round-robin order, and prints the median, its ratio to faster-whisper's batched
+in round-robin order after `--warmup` untimed rounds (model files read into the page
+cache, kernel plans timed and cached: a first run pays what a user's later runs do not),
+and prints the median, its ratio to faster-whisper's batched
 pipeline at int8, and the WER of each row, under a header naming the CPU, the thread
 count and the versions. Rows:
 
@@ -377,6 +379,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--models", default="tiny.en")
     parser.add_argument("--dtypes", default="f32,bf16", help="whisper-cli's (and transformers')")
     parser.add_argument("--fw-types", default="int8,f32", help="faster-whisper's compute types")
@@ -414,6 +417,10 @@ def main() -> None:
         walls: dict[tuple, list[float]] = {run.key: [] for run in runs}
         peaks: dict[tuple, list[float]] = {run.key: [] for run in runs}
         texts: dict[tuple, str] = {}
+        for _ in range(args.warmup):
+            for run in runs:
+                wall, _, _ = timed(run.cmd, env)
+                print(f"{run.key}: {wall:.1f} s (warm-up)", file=sys.stderr, flush=True)
         for _ in range(args.repeats):
             for run in runs:
                 wall, texts[run.key], peak = timed(run.cmd, env)
@@ -423,6 +430,12 @@ def main() -> None:
         medians = {key: statistics.median(w) for key, w in walls.items()}
         for run in runs:
             base = medians.get((BASELINE[0], run.model, BASELINE[1]))
+            # Each round's own ratio too: a slow spell of a shared machine moves a whole
+            # round, and the spread of these says how far the medians' ratio can be read.
+            base_walls = walls.get((BASELINE[0], run.model, BASELINE[1]))
+            rounds = None
+            if base_walls:
+                rounds = [round(w / b, 2) for w, b in zip(walls[run.key], base_walls, strict=True)]
             row = {
                 "impl": run.impl,
                 "model": run.model,
@@ -430,6 +443,7 @@ def main() -> None:
                 "wall_s": round(medians[run.key], 1),
                 "walls": [round(w, 1) for w in walls[run.key]],
                 "ratio": round(medians[run.key] / base, 2) if base else None,
+                "round_ratios": rounds,
                 "rtfx": round(seconds / medians[run.key], 1),
                 "peak_mb": round(max(peaks[run.key])),
                 "wer": round(100 * wer(reference, texts[run.key]), 2),
@@ -439,17 +453,21 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         print(f"reference words: {len(reference.split())}", file=sys.stderr)
     print()
-    print(f"{seconds:.0f} s of English; median of {args.repeats}; " + header[0])
     print(
-        "| impl | model | dtype | wall s (median) | x fw-batched int8 | RTFx | WER % | words "
-        "| peak RSS MiB |"
+        f"{seconds:.0f} s of English; median of {args.repeats} after {args.warmup} "
+        "untimed; " + header[0]
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| impl | model | dtype | wall s (median) | x fw-batched int8 | each round's x "
+        "| RTFx | WER % | words | peak RSS MiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = "-" if r["ratio"] is None else r["ratio"]
+        rounds = "-" if r["round_ratios"] is None else " / ".join(map(str, r["round_ratios"]))
         print(
             f"| {r['impl']} | {r['model']} | {r['dtype']} | {r['wall_s']} | {ratio} "
-            f"| {r['rtfx']} | {r['wer']} | {r['words']} | {r['peak_mb']} |"
+            f"| {rounds} | {r['rtfx']} | {r['wer']} | {r['words']} | {r['peak_mb']} |"
         )
     print()
     for line in verdicts(rows, args.minutes, native_bf16()):
