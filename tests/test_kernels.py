@@ -329,7 +329,7 @@ def test_native_library_is_built_once_and_absent_where_it_cannot_build(tmp_path,
     if native.compiler() is None:
         pytest.skip("no C compiler")
     built = native.library.__wrapped__(tmp_path / "a")
-    assert built is not None and len(list((tmp_path / "a").glob("attention-*.so"))) == 1
+    assert built is not None and len(list((tmp_path / "a").glob("native-*.so"))) == 1
 
     def no_build(*_args):
         raise AssertionError("built again")
@@ -1358,6 +1358,45 @@ def test_int8_linear_runs_many_rows_in_tiles(dtype, monkeypatch):
             out = kernels.int8_linear(x, weight, scale, b, plan)
             assert out.dtype == dtype and torch.equal(out, untiled), (name, lead)
             assert sum(seen) == m and max(seen) <= kernels.INT8_TILE_ROWS, (name, seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_float_passes_in_c_give_torchs_bytes(dtype, monkeypatch):
+    """The C passes around an int8 GEMM (csrc/int8.c: unit rows, their uint8 grid, the
+    rescale) give what torch's elementwise chain gives, byte for byte: on an all-zero row,
+    on values that land on a grid point's half (round half to even), on rows with a
+    stride of their own, with a bias and without; and so does each int8 kernel, whole."""
+    native_built()
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(40, 768, generator=g) * torch.logspace(-3, 2, 40)[:, None]
+    x[3] = 0.0
+    x[7] = 0.0  # max |x| 63: (x / 63) * 63 lands on x, here halves between grid points
+    x[7, :126], x[7, 126] = torch.arange(-63, 63) + 0.5, 63.0
+    x = x.to(dtype)
+    on_grid = (x[7].float() / 63) * 63
+    assert (on_grid - on_grid.floor() == 0.5).sum() > 100
+    acc = torch.randn(40, 80, generator=g) * 1000
+    amax = torch.rand(40, 1, generator=g)
+    weight, scale, bias = int8_layer(n=80, k=768)
+    b = bias.to(dtype)
+
+    def runs() -> list[torch.Tensor]:
+        out = [*kernels._unit_rows(x[:, :700]), *kernels._quantized_rows(x[:, :700])]
+        for bb in (b, None):
+            out.append(kernels._rescale(acc.clone(), amax, bb, x, 80, None))
+            out.append(kernels._rescale(acc.clone(), amax, bb, x, 80, torch.empty_like(out[-1])))
+        for name in ("fbgemm", "onednn"):
+            if name in kernels.int8_candidates(dtype):
+                form = kernels.int8_form(name, weight, scale)
+                out.append(kernels.INT8_LINEAR[name](x, weight, scale, b, form))
+        return out
+
+    in_c = runs()
+    monkeypatch.setattr(kernels, "_native", lambda: None)
+    in_torch = runs()
+    assert in_c[1][3] == 1 and in_c[2].dtype == torch.uint8 and in_c[4].dtype == dtype
+    for i, (c, t) in enumerate(zip(in_c, in_torch, strict=True)):
+        assert c.dtype == t.dtype and c.shape == t.shape and torch.equal(c, t), i
 
 
 def test_int8_choices_are_timed_and_saved_and_the_reference_runs_while_compiling(

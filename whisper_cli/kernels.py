@@ -34,7 +34,9 @@ Invariants:
 * Off the CPU, and while torch.compile traces (one graph, no choice on the Python side),
   the reference runs.
 * One implementation is C compiled on the machine ("fused", native.py): offered only
-  where it builds, so a machine without a C compiler runs the others.
+  where it builds, so a machine without a C compiler runs the others. The int8 kernels'
+  row passes (quantize, rescale) are C from the same library where it builds, torch's
+  elementwise calls where not: the same bytes either way.
 
 `WHISPER_CLI_KERNELS`: `auto` (default), `reference`, or a comma list of implementation
 names forced where they apply (the reference elsewhere); neither of the last two times or
@@ -121,7 +123,7 @@ TIMING_MARGIN = 0.95
 # with its batch. 2^19 outputs is 86 draws there (missed with odds ~0.78^86, 3e-10), one
 # for the vocabulary projection; a float32 check shows every difference in one draw.
 CHECK_OUTPUTS = 1 << 19
-CACHE_VERSION = 6  # a file of another version is read as empty (its choices timed again)
+CACHE_VERSION = 7  # a file of another version is read as empty (its choices timed again)
 
 
 # --- attention implementations ------------------------------------------------------
@@ -564,24 +566,68 @@ def _unit_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """x's rows (M, K) in float32, each divided by its max |x|, and those maxima (M, 1)
     (1 for an all-zero row): a kernel that quantizes a whole call with one scale then
     quantizes every row over its own range. Whisper's rows differ in range (a few carry
-    outliers): one scale for all of them costs the others most of their bits."""
-    rows = x.reshape(-1, x.shape[-1]).float()
+    outliers): one scale for all of them costs the others most of their bits. In one C
+    pass where the library is built (csrc/int8.c: the same values), else by torch."""
+    return _int8_rows("unit_rows", torch.float32, x)
+
+
+def _quantized_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x's rows (M, K) as unit rows (_unit_rows) quantized on the fixed grid (_X_SCALE,
+    _X_ZERO), uint8, and their maxima (M, 1), as _unit_rows makes them."""
+    return _int8_rows("quantize_rows", torch.uint8, x)
+
+
+def _int8_rows(kind: str, dtype: torch.dtype, x: Tensor) -> tuple[Tensor, Tensor]:
+    """x's rows as `kind` of csrc/int8.c makes them (in `dtype`), and their maxima."""
+    rows = x.reshape(-1, x.shape[-1])
+    lib = _native()
+    if lib is not None and x.dtype in _NATIVE_ROWS and rows.stride(-1) == 1:
+        m, k = rows.shape
+        out = torch.empty((m, k), dtype=dtype, device=x.device)
+        amax = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+        getattr(lib, f"{kind}_{_NATIVE_ROWS[x.dtype]}")(
+            rows.data_ptr(), m, k, rows.stride(0), out.data_ptr(), amax.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out, amax
+    rows = rows.float()
     amax = rows.abs().amax(dim=-1, keepdim=True)
     amax = torch.where(amax > 0, amax, 1.0)
-    return (rows / amax).contiguous(), amax
+    unit = (rows / amax).contiguous()
+    if dtype == torch.float32:
+        return unit, amax
+    return unit.mul_(1 / _X_SCALE).round_().add_(_X_ZERO).to(torch.uint8), amax
 
 
 def _rescale(
     acc: Tensor, amax: Tensor, bias: Tensor | None, x: Tensor, n: int, out: Tensor | None
 ) -> Tensor:
     """The rows' maxima multiplied back and the bias added, in float32, rounded once (into
-    `out` where given: a tile's result written where it goes, not copied there)."""
+    `out` where given: a tile's result written where it goes, not copied there): in one C
+    pass where the library is built (csrc/int8.c), else by torch."""
+    lib = _native()
+    native_rows = x.dtype in _NATIVE_ROWS and acc.is_contiguous() and amax.is_contiguous()
+    if lib is not None and native_rows:
+        if out is None:
+            out = x.new_empty((*x.shape[:-1], n))
+        rows = out.view(-1, n)
+        b = None if bias is None else bias.float().contiguous()
+        getattr(lib, f"rescale_rows_{_NATIVE_ROWS[x.dtype]}")(
+            acc.data_ptr(), rows.shape[0], n, amax.data_ptr(),
+            None if b is None else b.data_ptr(), rows.data_ptr(), rows.stride(0),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
     if out is not None:  # computed in float32, rounded to out's dtype as it is written
         if bias is None:
             return torch.mul(acc, amax, out=out)
         return torch.addcmul(bias.float(), acc, amax, out=out)
     acc = acc.mul_(amax) if bias is None else torch.addcmul(bias.float(), acc, amax)
     return acc.view(*x.shape[:-1], n).to(x.dtype)
+
+
+# The row dtypes csrc/int8.c takes (native.INT8_ROWS), by their names there.
+_NATIVE_ROWS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 # The activations' quantization of unit rows (_unit_rows), fixed: x = (q - zero) * scale, q
@@ -612,11 +658,10 @@ def _onednn_prepare(weight: Tensor, scale: Tensor):
 
 def _int8_onednn(x, weight, scale, bias, prepared, out=None):
     """oneDNN's int8 linear (the kernel inductor and torchao call on x86) with activations
-    quantized per row (_unit_rows) on the fixed grid (_X_SCALE, _X_ZERO), an int8 GEMM,
+    quantized per row (_quantized_rows) on the fixed grid (_X_SCALE, _X_ZERO), an int8 GEMM,
     the weight's scales applied by oneDNN in float32."""
     packed, w_scale, w_zero = prepared
-    rows, amax = _unit_rows(x)
-    q = rows.mul_(1 / _X_SCALE).round_().add_(_X_ZERO).to(torch.uint8)
+    q, amax = _quantized_rows(x)
     acc = torch.ops.onednn.qlinear_pointwise(
         q, _X_SCALE, _X_ZERO, packed, w_scale, w_zero,
         None, 1.0, 0, torch.float32, "none", [], "",

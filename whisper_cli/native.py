@@ -3,9 +3,9 @@
 A kernel torch lacks is a C file in `csrc/`, compiled for this CPU (`-march=native`)
 into a shared library in a cache folder the first time one of its kernels is called
 (a kernel plan's timing, on a CPU plan only), and called through ctypes on the tensors'
-memory. The library's name holds a digest of the
-source, the flags, the compiler and this CPU, so a changed source, compiler or CPU (a
-home folder shared between machines) gets a library of its own.
+memory. The library's name holds a digest of the sources, the flags, the compiler and
+this CPU, so a changed source, compiler or CPU (a home folder shared between machines)
+gets a library of its own.
 
 Where no C compiler works (none installed, not Linux, a failed build) the kernels are
 simply absent: `kernels.py` offers them only where `buildable()`, runs another
@@ -30,15 +30,22 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "attention.c"
-# -ffast-math lets gcc vectorize the float32 sums and call glibc's vector exp (libmvec);
-# the source says why that is exact enough. -fopenmp: the loop over (batch, head) pairs
-# runs on torch's threads (the library resolves to the libgomp torch has loaded; clang
-# would bring its own libomp). Compiled, then linked in a step of its own: linking a
-# shared library with -ffast-math (gcc before 13) adds crtfastmath.o, which turns on
-# flush-to-zero for the whole process when the library loads, changing every other
-# kernel's results on subnormals.
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c")
+CSRC = Path(__file__).with_name("csrc")
+# Each source with its own flags, compiled apart, then linked into one library in a step
+# of its own: linking a shared library with -ffast-math (gcc before 13) adds
+# crtfastmath.o, which turns on flush-to-zero for the whole process when the library
+# loads, changing every other kernel's results on subnormals. -fopenmp: the loops over
+# rows or (batch, head) pairs run on torch's threads (the library resolves to the libgomp
+# torch has loaded; clang would bring its own libomp).
+_COMMON_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-c")
+SOURCES = {
+    # -ffast-math lets gcc vectorize the float32 sums and call glibc's vector exp
+    # (libmvec); attention.c says why that is exact enough.
+    CSRC / "attention.c": (*_COMMON_FLAGS, "-ffast-math"),
+    # Every operation rounded as written (no reciprocal, no fused multiply-add): the
+    # same bytes as torch's elementwise chain it replaces (int8.c).
+    CSRC / "int8.c": (*_COMMON_FLAGS, "-ffp-contract=off"),
+}
 LINK_FLAGS = ("-shared", "-fopenmp")
 LIBS = ("-lmvec", "-lm")
 BUILD_TIMEOUT_S = 120
@@ -48,6 +55,16 @@ DECODE_ATTENTION = {
     "decode_attention_bf16": ("bf16", False),
     "decode_attention_f32": ("f32", False),
     "decode_attention_f32_kcols": ("f32", True),
+}
+# csrc/int8.c: the rows' dtype (x's for unit_rows_* and quantize_rows_*, out's for
+# rescale_rows_*).
+INT8_ROWS = {
+    "unit_rows_f32": "f32",
+    "unit_rows_bf16": "bf16",
+    "quantize_rows_f32": "f32",
+    "quantize_rows_bf16": "bf16",
+    "rescale_rows_f32": "f32",
+    "rescale_rows_bf16": "bf16",
 }
 MAX_KEYS = 4096
 MAX_HEAD_DIM = 256
@@ -76,14 +93,16 @@ def _cpu_digest() -> str:
 
 
 def _build(cc: str, out: Path) -> None:
-    """Compile SOURCE into `out`, atomically (another process may build the same)."""
+    """Compile SOURCES and link them into `out`, atomically (another process may build the same)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.stem}-") as tmp:
-        obj, lib = Path(tmp) / "attention.o", Path(tmp) / "attention.so"
-        for cmd in (
-            [cc, *COMPILE_FLAGS, "-o", str(obj), str(SOURCE)],
-            [cc, *LINK_FLAGS, "-o", str(lib), str(obj), *LIBS],
-        ):
+        objs = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        lib = Path(tmp) / "native.so"
+        compiles = [
+            [cc, *flags, "-o", str(obj), str(source)]
+            for obj, (source, flags) in zip(objs, SOURCES.items(), strict=True)
+        ]
+        for cmd in [*compiles, [cc, *LINK_FLAGS, "-o", str(lib), *map(str, objs), *LIBS]]:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if done.returncode != 0:
                 raise BuildError(f"{' '.join(cmd)}: {done.stderr.strip()[-2000:]}")
@@ -103,9 +122,9 @@ def _path(cache_dir: Path) -> Path | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.debug("no working C compiler: %s", exc)
         return None
-    parts = [SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, *LIBS, cc, *version]
-    key = "\n".join([*parts, _cpu_digest()])
-    return cache_dir / f"attention-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    parts = [part for source, flags in SOURCES.items() for part in (source.read_text(), *flags)]
+    key = "\n".join([*parts, *LINK_FLAGS, *LIBS, cc, *version, _cpu_digest()])
+    return cache_dir / f"native-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
 def buildable(cache_dir: Path) -> bool:
@@ -140,6 +159,15 @@ def library(cache_dir: Path) -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [_I64P] * 4
         # The rows' key counts (int64 data, or None for all S), the scale, the threads.
         fn.argtypes += [ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
+        fn.restype = None
+    for name in INT8_ROWS:
+        fn = getattr(lib, name)
+        if not name.startswith("rescale"):  # x, M, K, its row stride, result, amax, threads
+            fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 2]
+        else:  # acc, M, N, amax, bias (or None), out, its row stride, threads
+            fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 3]
+            fn.argtypes += [ctypes.c_int64]
+        fn.argtypes += [ctypes.c_int]
         fn.restype = None
     return lib
 

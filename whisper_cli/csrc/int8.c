@@ -1,0 +1,124 @@
+/* The float work around an int8 GEMM (kernels._int8_onednn, _int8_fbgemm), each in one
+ * pass over its rows instead of torch's chain of elementwise calls.
+ *
+ * unit_rows_*: x (M, K) rows (float32 or bfloat16, row stride ld) -> unit (M, K) float32,
+ * contiguous, each row divided by a = max |x[i, :]| (1 where the row is all zero), and
+ * amax (M,) = a: kernels._unit_rows, in the same float32 operations.
+ *
+ * quantize_rows_*: x (M, K) rows (float32 or bfloat16, row stride ld) -> q (M, K) uint8,
+ * contiguous, and amax (M,) float32, each row quantized on its own fixed grid:
+ *     a = max |x[i, :]| (1 where the row is all zero),
+ *     q[i, j] = round_half_even((x[i, j] / a) * 63) + 64,
+ * the float32 operations torch performs for kernels._unit_rows and the grid
+ * (_X_SCALE = 1/63, _X_ZERO = 64), in the same order, each rounded as torch rounds it:
+ * the same bytes (test_kernels asserts it).
+ *
+ * rescale_rows_*: acc (M, N) float32, contiguous -> out (M, N) (float32 or bfloat16, row
+ * stride ld): out[i, j] = acc[i, j] * amax[i] (+ bias[j], float32), rounded once to out's
+ * dtype, as kernels._rescale computes it with torch.mul / torch.addcmul (whose x86
+ * kernel fuses the multiply-add: fmaf here, one rounding).
+ *
+ * Built by native.py WITHOUT -ffast-math and with -ffp-contract=off: no reciprocal for
+ * the division, no fused multiply-add but the one written, every operation rounded as
+ * written.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float from_bf16(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch rounds */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float as_float(float x) { return x; }
+
+static inline uint32_t abs_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u & 0x7fffffffu;
+}
+
+/* Adding and subtracting 1.5 * 2^23 rounds a float32 of magnitude below 2^22 to an
+ * integer, half to even (the default rounding mode), as torch.round does. */
+#define ROUNDER 12582912.0f
+
+/* |x| compared as the bits of a non-negative float32 (their order is the numbers'):
+ * an integer maximum, which vectorizes without -ffast-math. 1 for an all-zero row. */
+static inline float row_max(uint32_t top) {
+    float a;
+    memcpy(&a, &top, sizeof a);
+    return a > 0.0f ? a : 1.0f;
+}
+
+#define ROW_MAX(LOAD)                                                                     \
+    uint32_t top = 0;                                                                      \
+    for (int64_t j = 0; j < K; j++) {                                                      \
+        uint32_t b = abs_bits(LOAD(row[j]));                                               \
+        top = b > top ? b : top;                                                           \
+    }                                                                                      \
+    const float a = row_max(top);                                                          \
+    amax[i] = a;
+
+/* Each row divided by its maximum |x| (float32, (M, K) contiguous): fbgemm's input. */
+#define UNIT_ROWS(NAME, T, LOAD)                                                          \
+    void NAME(const T *x, int64_t M, int64_t K, int64_t ld, float *unit, float *amax,      \
+              int threads) {                                                               \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                  \
+        for (int64_t i = 0; i < M; i++) {                                                  \
+            const T *row = x + i * ld;                                                     \
+            float *ui = unit + i * K;                                                      \
+            ROW_MAX(LOAD)                                                                  \
+            for (int64_t j = 0; j < K; j++) ui[j] = LOAD(row[j]) / a;                      \
+        }                                                                                  \
+    }
+
+/* Each unit row on the grid, as uint8 (oneDNN's input). */
+#define QUANTIZE_ROWS(NAME, T, LOAD)                                                      \
+    void NAME(const T *x, int64_t M, int64_t K, int64_t ld, uint8_t *q, float *amax,       \
+              int threads) {                                                               \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                  \
+        for (int64_t i = 0; i < M; i++) {                                                  \
+            const T *row = x + i * ld;                                                     \
+            uint8_t *qi = q + i * K;                                                       \
+            ROW_MAX(LOAD)                                                                  \
+            for (int64_t j = 0; j < K; j++) {                                              \
+                float v = (LOAD(row[j]) / a) * 63.0f;                                      \
+                float r = (v + ROUNDER) - ROUNDER;                                         \
+                qi[j] = (uint8_t)(int32_t)(r + 64.0f);                                     \
+            }                                                                              \
+        }                                                                                  \
+    }
+
+UNIT_ROWS(unit_rows_f32, float, as_float)
+UNIT_ROWS(unit_rows_bf16, uint16_t, from_bf16)
+QUANTIZE_ROWS(quantize_rows_f32, float, as_float)
+QUANTIZE_ROWS(quantize_rows_bf16, uint16_t, from_bf16)
+
+#define RESCALE_ROWS(NAME, T, STORE)                                                      \
+    void NAME(const float *acc, int64_t M, int64_t N, const float *amax, const float *bias, \
+              T *out, int64_t ld, int threads) {                                           \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                  \
+        for (int64_t i = 0; i < M; i++) {                                                  \
+            const float *ai = acc + i * N;                                                 \
+            const float s = amax[i];                                                       \
+            T *oi = out + i * ld;                                                          \
+            if (bias)                                                                      \
+                for (int64_t j = 0; j < N; j++) oi[j] = STORE(fmaf(ai[j], s, bias[j]));        \
+            else                                                                           \
+                for (int64_t j = 0; j < N; j++) oi[j] = STORE(ai[j] * s);                  \
+        }                                                                                  \
+    }
+
+RESCALE_ROWS(rescale_rows_f32, float, as_float)
+RESCALE_ROWS(rescale_rows_bf16, uint16_t, to_bf16)
