@@ -46,6 +46,7 @@ SOURCES = {
     # same bytes as torch's elementwise chain it replaces (int8.c).
     CSRC / "int8.c": (*_COMMON_FLAGS, "-ffp-contract=off"),
 }
+HEADERS = (CSRC / "floats.h",)  # included by the sources: part of the library's digest
 LINK_FLAGS = ("-shared", "-fopenmp")
 LIBS = ("-lmvec", "-lm")
 BUILD_TIMEOUT_S = 120
@@ -123,6 +124,7 @@ def _path(cache_dir: Path) -> Path | None:
         log.debug("no working C compiler: %s", exc)
         return None
     parts = [part for source, flags in SOURCES.items() for part in (source.read_text(), *flags)]
+    parts += [header.read_text() for header in HEADERS]
     key = "\n".join([*parts, *LINK_FLAGS, *LIBS, cc, *version, _cpu_digest()])
     return cache_dir / f"native-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 

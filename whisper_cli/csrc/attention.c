@@ -21,24 +21,8 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-static inline float from_bf16(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch rounds */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float as_float(float x) { return x; }
+#include "floats.h"
 
 /* The scores p[S] of one (b, h) are computed by SCORES; then softmax and the weighted
  * sum of the values, written to out. D <= 256 and S <= 4096 (native.py checks): the

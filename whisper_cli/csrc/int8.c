@@ -26,22 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float from_bf16(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch rounds */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float as_float(float x) { return x; }
+#include "floats.h"
 
 static inline uint32_t abs_bits(float f) {
     uint32_t u;
@@ -54,56 +39,45 @@ static inline uint32_t abs_bits(float f) {
 #define ROUNDER 12582912.0f
 
 /* |x| compared as the bits of a non-negative float32 (their order is the numbers'):
- * an integer maximum, which vectorizes without -ffast-math. 1 for an all-zero row. */
+ * an integer maximum, which vectorizes without -ffast-math. */
 static inline float row_max(uint32_t top) {
     float a;
     memcpy(&a, &top, sizeof a);
-    return a > 0.0f ? a : 1.0f;
+    return a > 0.0f ? a : 1.0f; /* 1 for an all-zero row */
 }
 
-#define ROW_MAX(LOAD)                                                                     \
-    uint32_t top = 0;                                                                      \
-    for (int64_t j = 0; j < K; j++) {                                                      \
-        uint32_t b = abs_bits(LOAD(row[j]));                                               \
-        top = b > top ? b : top;                                                           \
-    }                                                                                      \
-    const float a = row_max(top);                                                          \
-    amax[i] = a;
-
-/* Each row divided by its maximum |x| (float32, (M, K) contiguous): fbgemm's input. */
-#define UNIT_ROWS(NAME, T, LOAD)                                                          \
-    void NAME(const T *x, int64_t M, int64_t K, int64_t ld, float *unit, float *amax,      \
+/* Each row's values divided by its maximum |x| (a float32 unit row), stored by STORE:
+ * the unit row itself (fbgemm's input), or its point on the grid as uint8 (oneDNN's). */
+#define ROWS(NAME, T, LOAD, OUT, STORE)                                                   \
+    void NAME(const T *x, int64_t M, int64_t K, int64_t ld, OUT *y, float *amax,           \
               int threads) {                                                               \
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                  \
         for (int64_t i = 0; i < M; i++) {                                                  \
             const T *row = x + i * ld;                                                     \
-            float *ui = unit + i * K;                                                      \
-            ROW_MAX(LOAD)                                                                  \
-            for (int64_t j = 0; j < K; j++) ui[j] = LOAD(row[j]) / a;                      \
-        }                                                                                  \
-    }
-
-/* Each unit row on the grid, as uint8 (oneDNN's input). */
-#define QUANTIZE_ROWS(NAME, T, LOAD)                                                      \
-    void NAME(const T *x, int64_t M, int64_t K, int64_t ld, uint8_t *q, float *amax,       \
-              int threads) {                                                               \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                  \
-        for (int64_t i = 0; i < M; i++) {                                                  \
-            const T *row = x + i * ld;                                                     \
-            uint8_t *qi = q + i * K;                                                       \
-            ROW_MAX(LOAD)                                                                  \
+            OUT *yi = y + i * K;                                                           \
+            uint32_t top = 0;                                                              \
             for (int64_t j = 0; j < K; j++) {                                              \
-                float v = (LOAD(row[j]) / a) * 63.0f;                                      \
-                float r = (v + ROUNDER) - ROUNDER;                                         \
-                qi[j] = (uint8_t)(int32_t)(r + 64.0f);                                     \
+                const uint32_t b = abs_bits(LOAD(row[j]));                                 \
+                top = b > top ? b : top;                                                   \
             }                                                                              \
+            const float a = row_max(top);                                                  \
+            amax[i] = a;                                                                   \
+            for (int64_t j = 0; j < K; j++) yi[j] = STORE(LOAD(row[j]) / a);               \
         }                                                                                  \
     }
 
-UNIT_ROWS(unit_rows_f32, float, as_float)
-UNIT_ROWS(unit_rows_bf16, uint16_t, from_bf16)
-QUANTIZE_ROWS(quantize_rows_f32, float, as_float)
-QUANTIZE_ROWS(quantize_rows_bf16, uint16_t, from_bf16)
+static inline float unit(float u) { return u; }
+
+static inline uint8_t on_grid(float u) {
+    const float v = u * 63.0f;
+    const float r = (v + ROUNDER) - ROUNDER;
+    return (uint8_t)(int32_t)(r + 64.0f);
+}
+
+ROWS(unit_rows_f32, float, as_float, float, unit)
+ROWS(unit_rows_bf16, uint16_t, from_bf16, float, unit)
+ROWS(quantize_rows_f32, float, as_float, uint8_t, on_grid)
+ROWS(quantize_rows_bf16, uint16_t, from_bf16, uint8_t, on_grid)
 
 #define RESCALE_ROWS(NAME, T, STORE)                                                      \
     void NAME(const float *acc, int64_t M, int64_t N, const float *amax, const float *bias, \
@@ -114,7 +88,7 @@ QUANTIZE_ROWS(quantize_rows_bf16, uint16_t, from_bf16)
             const float s = amax[i];                                                       \
             T *oi = out + i * ld;                                                          \
             if (bias)                                                                      \
-                for (int64_t j = 0; j < N; j++) oi[j] = STORE(fmaf(ai[j], s, bias[j]));        \
+                for (int64_t j = 0; j < N; j++) oi[j] = STORE(fmaf(ai[j], s, bias[j]));    \
             else                                                                           \
                 for (int64_t j = 0; j < N; j++) oi[j] = STORE(ai[j] * s);                  \
         }                                                                                  \
