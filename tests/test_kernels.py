@@ -313,6 +313,23 @@ def test_loading_the_native_library_changes_no_other_computation(tmp_path):
     assert np.float32(1e-39) * np.float32(0.5) != 0.0
 
 
+def test_the_library_is_looked_up_once_per_cache_folder(tmp_path, monkeypatch):
+    """_native (called per kernel call) finds the library beside the kernel cache file
+    the environment names, and follows a change of it, without building a path each call."""
+    monkeypatch.undo()  # this test's own _native: the real one, not own_cache's
+    seen = []
+    monkeypatch.setattr(native, "library", lambda folder: seen.append(folder) or folder)
+    try:
+        for name in ("a", "b", "a"):
+            path = tmp_path / name / "kernels.json"
+            monkeypatch.setenv("WHISPER_CLI_KERNELS_CACHE", str(path))
+            for _ in range(3):
+                assert kernels._native() == tmp_path / name / "native"
+    finally:
+        kernels._native_for.cache_clear()  # it holds this test's stand-ins for libraries
+    assert seen == [tmp_path / "a" / "native", tmp_path / "b" / "native"]
+
+
 def test_offering_the_kernel_builds_nothing(tmp_path, monkeypatch):
     """A plan offers "fused" where it can be built; the build waits for its first call
     (a reference or CUDA plan never calls it)."""

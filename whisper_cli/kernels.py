@@ -46,6 +46,7 @@ writes anything.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -281,7 +282,18 @@ _NO_RANGE = contextlib.nullcontext()
 
 def _native():
     """The C kernels' library (native.py), built beside the kernel cache file at its first
-    call: a plan in reference mode or off the CPU never builds it."""
+    call: a plan in reference mode or off the CPU never builds it. Called per kernel call
+    (a decode step makes dozens): looked up once per value of the environment that
+    kernels_cache_path reads, not by building that path each time (~20 us)."""
+    env = os.environ
+    return _native_for(
+        env.get("WHISPER_CLI_KERNELS_CACHE"), env.get("XDG_CACHE_HOME"), env.get("HOME")
+    )
+
+
+@functools.cache
+def _native_for(*_environment: str | None):
+    """_native's library; `_environment`: what kernels_cache_path reads, only the key."""
     return native.library(kernels_cache_path().parent / "native")
 
 
