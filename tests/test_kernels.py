@@ -1408,7 +1408,17 @@ def test_int8_float_passes_in_c_give_torchs_bytes(dtype, monkeypatch):
                 out.append(kernels.INT8_LINEAR[name](x, weight, scale, b, form))
         return out
 
+    lib, called = kernels._native(), set()
+
+    class Spy:  # the library, noting which of its functions were called
+        def __getattr__(self, name):
+            called.add(name)
+            return getattr(lib, name)
+
+    monkeypatch.setattr(kernels, "_native", Spy)
     in_c = runs()
+    suffix = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
+    assert called == {f"{p}_{suffix}" for p in ("unit_rows", "quantize_rows", "rescale_rows")}
     monkeypatch.setattr(kernels, "_native", lambda: None)
     in_torch = runs()
     assert in_c[1][3] == 1 and in_c[2].dtype == torch.uint8 and in_c[4].dtype == dtype

@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from whisper_cli import native
-from whisper_cli.dtypes import dtype_name
+from whisper_cli.dtypes import DTYPE_NAMES, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -593,11 +593,11 @@ def _int8_rows(kind: str, dtype: torch.dtype, x: Tensor) -> tuple[Tensor, Tensor
     """x's rows as `kind` of csrc/int8.c makes them (in `dtype`), and their maxima."""
     rows = x.reshape(-1, x.shape[-1])
     lib = _native()
-    if lib is not None and x.dtype in _NATIVE_ROWS and rows.stride(-1) == 1:
+    if lib is not None and _native_rows(x) and rows.stride(-1) == 1:
         m, k = rows.shape
         out = torch.empty((m, k), dtype=dtype, device=x.device)
         amax = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-        getattr(lib, f"{kind}_{_NATIVE_ROWS[x.dtype]}")(
+        getattr(lib, f"{kind}_{dtype_name(x.dtype)}")(
             rows.data_ptr(), m, k, rows.stride(0), out.data_ptr(), amax.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
@@ -616,17 +616,19 @@ def _rescale(
 ) -> Tensor:
     """The rows' maxima multiplied back and the bias added, in float32, rounded once (into
     `out` where given: a tile's result written where it goes, not copied there): in one C
-    pass where the library is built (csrc/int8.c), else by torch."""
+    pass where the library is built (csrc/int8.c; the bias read in x's dtype, as the
+    model holds it), else by torch."""
     lib = _native()
-    native_rows = x.dtype in _NATIVE_ROWS and acc.is_contiguous() and amax.is_contiguous()
-    if lib is not None and native_rows:
+    takes = _native_rows(x) and acc.is_contiguous() and amax.is_contiguous()
+    takes &= bias is None or (bias.dtype == x.dtype and bias.is_contiguous())
+    takes &= out is None or out.stride(-1) == 1
+    if lib is not None and takes:
         if out is None:
             out = x.new_empty((*x.shape[:-1], n))
         rows = out.view(-1, n)
-        b = None if bias is None else bias.float().contiguous()
-        getattr(lib, f"rescale_rows_{_NATIVE_ROWS[x.dtype]}")(
+        getattr(lib, f"rescale_rows_{dtype_name(x.dtype)}")(
             acc.data_ptr(), rows.shape[0], n, amax.data_ptr(),
-            None if b is None else b.data_ptr(), rows.data_ptr(), rows.stride(0),
+            None if bias is None else bias.data_ptr(), rows.data_ptr(), rows.stride(0),
             torch.get_num_threads(),
         )  # fmt: skip
         return out
@@ -638,8 +640,12 @@ def _rescale(
     return acc.view(*x.shape[:-1], n).to(x.dtype)
 
 
-# The row dtypes csrc/int8.c takes (native.INT8_ROWS), by their names there.
-_NATIVE_ROWS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+def _native_rows(x: Tensor) -> bool:
+    """Whether csrc/int8.c has its passes for x's dtype."""
+    return x.dtype in _INT8_NATIVE_DTYPES
+
+
+_INT8_NATIVE_DTYPES = frozenset(DTYPE_NAMES[name] for name in native.INT8_DTYPES)
 
 
 # The activations' quantization of unit rows (_unit_rows), fixed: x = (q - zero) * scale, q

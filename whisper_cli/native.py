@@ -57,16 +57,11 @@ DECODE_ATTENTION = {
     "decode_attention_f32": ("f32", False),
     "decode_attention_f32_kcols": ("f32", True),
 }
-# csrc/int8.c: the rows' dtype (x's for unit_rows_* and quantize_rows_*, out's for
-# rescale_rows_*).
-INT8_ROWS = {
-    "unit_rows_f32": "f32",
-    "unit_rows_bf16": "bf16",
-    "quantize_rows_f32": "f32",
-    "quantize_rows_bf16": "bf16",
-    "rescale_rows_f32": "f32",
-    "rescale_rows_bf16": "bf16",
-}
+# csrc/int8.c: its passes, each as <pass>_<dtype> for each of INT8_DTYPES (x's dtype for
+# the row passes, out's and the bias's for the rescale).
+INT8_ROW_PASSES = ("unit_rows", "quantize_rows")  # x, M, K, x's row stride, y, amax, threads
+INT8_RESCALE = "rescale_rows"  # acc, M, N, amax, bias or NULL, out, out's row stride, threads
+INT8_DTYPES = ("f32", "bf16")
 MAX_KEYS = 4096
 MAX_HEAD_DIM = 256
 
@@ -162,14 +157,14 @@ def library(cache_dir: Path) -> ctypes.CDLL | None:
         # The rows' key counts (int64 data, or None for all S), the scale, the threads.
         fn.argtypes += [ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
         fn.restype = None
-    for name in INT8_ROWS:
-        fn = getattr(lib, name)
-        if not name.startswith("rescale"):  # x, M, K, its row stride, result, amax, threads
-            fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 2]
-        else:  # acc, M, N, amax, bias (or None), out, its row stride, threads
-            fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 3]
-            fn.argtypes += [ctypes.c_int64]
-        fn.argtypes += [ctypes.c_int]
+    pointers, sizes = ctypes.c_void_p, ctypes.c_int64
+    for dtype in INT8_DTYPES:
+        for name in INT8_ROW_PASSES:
+            fn = getattr(lib, f"{name}_{dtype}")
+            fn.argtypes = [pointers, sizes, sizes, sizes, pointers, pointers, ctypes.c_int]
+            fn.restype = None
+        fn = getattr(lib, f"{INT8_RESCALE}_{dtype}")
+        fn.argtypes = [pointers, sizes, sizes, pointers, pointers, pointers, sizes, ctypes.c_int]
         fn.restype = None
     return lib
 

@@ -14,9 +14,10 @@
  * the same bytes (test_kernels asserts it).
  *
  * rescale_rows_*: acc (M, N) float32, contiguous -> out (M, N) (float32 or bfloat16, row
- * stride ld): out[i, j] = acc[i, j] * amax[i] (+ bias[j], float32), rounded once to out's
- * dtype, as kernels._rescale computes it with torch.mul / torch.addcmul (whose x86
- * kernel fuses the multiply-add: fmaf here, one rounding).
+ * stride ld): out[i, j] = acc[i, j] * amax[i] (+ bias[j], in out's dtype, widened to
+ * float32 as it is read), rounded once to out's dtype, as kernels._rescale computes it
+ * with torch.mul / torch.addcmul (whose x86 kernel fuses the multiply-add: fmaf here,
+ * one rounding).
  *
  * Built by native.py WITHOUT -ffast-math and with -ffp-contract=off: no reciprocal for
  * the division, no fused multiply-add but the one written, every operation rounded as
@@ -79,8 +80,8 @@ ROWS(unit_rows_bf16, uint16_t, from_bf16, float, unit)
 ROWS(quantize_rows_f32, float, as_float, uint8_t, on_grid)
 ROWS(quantize_rows_bf16, uint16_t, from_bf16, uint8_t, on_grid)
 
-#define RESCALE_ROWS(NAME, T, STORE)                                                      \
-    void NAME(const float *acc, int64_t M, int64_t N, const float *amax, const float *bias, \
+#define RESCALE_ROWS(NAME, T, LOAD, STORE)                                                \
+    void NAME(const float *acc, int64_t M, int64_t N, const float *amax, const T *bias,    \
               T *out, int64_t ld, int threads) {                                           \
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                  \
         for (int64_t i = 0; i < M; i++) {                                                  \
@@ -88,11 +89,12 @@ ROWS(quantize_rows_bf16, uint16_t, from_bf16, uint8_t, on_grid)
             const float s = amax[i];                                                       \
             T *oi = out + i * ld;                                                          \
             if (bias)                                                                      \
-                for (int64_t j = 0; j < N; j++) oi[j] = STORE(fmaf(ai[j], s, bias[j]));    \
+                for (int64_t j = 0; j < N; j++)                                            \
+                    oi[j] = STORE(fmaf(ai[j], s, LOAD(bias[j])));                          \
             else                                                                           \
                 for (int64_t j = 0; j < N; j++) oi[j] = STORE(ai[j] * s);                  \
         }                                                                                  \
     }
 
-RESCALE_ROWS(rescale_rows_f32, float, as_float)
-RESCALE_ROWS(rescale_rows_bf16, uint16_t, to_bf16)
+RESCALE_ROWS(rescale_rows_f32, float, as_float, as_float)
+RESCALE_ROWS(rescale_rows_bf16, uint16_t, from_bf16, to_bf16)
