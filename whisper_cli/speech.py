@@ -79,8 +79,14 @@ class SileroVAD(nn.Module):
         overhead dominates: they run as one matmul each over the unfolded taps (3x faster
         on CPU), with the checkpoint's Conv1d weights.
         """
+        n = frames.shape[0]
         x = F.pad(frames, (0, 64), mode="reflect")  # (N, 640)
-        x = x.unfold(1, 256, 128) @ self.stft_conv.weight[:, 0].T  # (N, 4, 258)
+        # The overlapping taps copied out as (4N, 256) rows, for one GEMM: over the strided
+        # (N, 4, 256) view, matmul runs a batched GEMM with a copy per frame (this forward
+        # over 10 min of frames: 1.04 s, against 0.61-0.70 s so; AMD EPYC Zen 4), with
+        # the same bytes out (checked).
+        taps = x.unfold(1, 256, 128).reshape(-1, 256)  # (4N, 256)
+        x = (taps @ self.stft_conv.weight[:, 0].T).view(n, 4, -1)  # (N, 4, 258)
         x = (x[..., :129] ** 2 + x[..., 129:] ** 2).sqrt()  # magnitudes (N, 4, 129)
         x = _conv(x, self.conv1, stride=1)  # (N, 4, 128)
         x = _conv(x, self.conv2, stride=2)  # (N, 2, 64)
