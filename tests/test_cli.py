@@ -80,6 +80,46 @@ def shell(command: str, **kwargs) -> subprocess.CompletedProcess:
     )
 
 
+# A process that ends through cli._exit; argv: how ("fast": cli._exit, "normal":
+# sys.exit), whether a non-daemon thread still runs ("thread") and the status.
+_EXIT_PROBE = """
+import atexit, os, sys, threading, time
+from whisper_cli import cli
+
+class Teardown:  # its __del__ runs only in the interpreter's teardown of this module
+    def __del__(self):
+        os.write(2, b"teardown\\n")
+
+kept = Teardown()
+atexit.register(lambda: os.write(2, b"atexit\\n"))
+sys.stdout.write("unflushed")
+how, thread, status = sys.argv[1:]
+if thread == "thread":
+    threading.Thread(target=lambda: (time.sleep(0.5), os.write(2, b"thread\\n"))).start()
+(cli._exit if how == "fast" else sys.exit)(int(status))
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "thread", "teardown"),
+    [("fast", "none", False), ("fast", "thread", True), ("normal", "none", True)],
+)
+def test_the_exit_skips_only_the_interpreters_teardown(how, thread, teardown) -> None:
+    """cli._exit ends as a normal exit does (atexit handlers, stdout flushed, the status,
+    a running thread waited for: then it is a normal exit), less the teardown of modules
+    after it (torch's ~0.5 s). The normal case shows that the probe sees a teardown."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXIT_PROBE, how, thread, "3"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 3
+    assert proc.stdout == "unflushed"
+    lines = proc.stderr.splitlines()
+    assert "atexit" in lines
+    assert ("thread" in lines) == (thread == "thread")
+    assert ("teardown" in lines) == teardown, proc.stderr
+
+
 @pytest.fixture(scope="module")
 def jfk_txt(tiny_en) -> str:
     """jfk.flac with tiny.en as the txt format prints it (in-process, for comparison)."""
