@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from whisper_cli import kernels, native
 from whisper_cli.dtypes import DTYPE_NAMES as DTYPES
+from whisper_cli.dtypes import dtype_name
 from whisper_cli.model import Extent
 
 HALF = [torch.bfloat16, torch.float16]
@@ -1417,8 +1418,8 @@ def test_int8_float_passes_in_c_give_torchs_bytes(dtype, monkeypatch):
 
     monkeypatch.setattr(kernels, "_native", Spy)
     in_c = runs()
-    suffix = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
-    assert called == {f"{p}_{suffix}" for p in ("unit_rows", "quantize_rows", "rescale_rows")}
+    passes = (*native.INT8_ROW_PASSES, native.INT8_RESCALE)
+    assert called == {f"{p}_{dtype_name(dtype)}" for p in passes}
     monkeypatch.setattr(kernels, "_native", lambda: None)
     in_torch = runs()
     assert in_c[1][3] == 1 and in_c[2].dtype == torch.uint8 and in_c[4].dtype == dtype
