@@ -1427,6 +1427,23 @@ def test_int8_float_passes_in_c_give_torchs_bytes(dtype, monkeypatch):
         assert c.dtype == t.dtype and c.shape == t.shape and torch.equal(c, t), i
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_c_grid_is_the_one_kernels_py_names(dtype, monkeypatch):
+    """The activations' grid is decided once, in kernels.py: the C pass quantizes on the
+    steps and zero it is given, as torch's chain does, not on values of its own."""
+    native_built()
+    x = (torch.randn(8, 96, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    default = kernels._quantized_rows(x)[0]
+    assert int(default.min()) >= 1 and int(default.max()) <= 127  # 63 steps around 64
+    monkeypatch.setattr(kernels, "_X_STEPS", 15)
+    monkeypatch.setattr(kernels, "_X_ZERO", 100)
+    q_c, amax_c = kernels._quantized_rows(x)
+    monkeypatch.setattr(kernels, "_native", lambda: None)
+    q_torch, amax_torch = kernels._quantized_rows(x)
+    assert int(q_c.min()) == 85 and int(q_c.max()) == 115  # each row's extreme: zero -+ 15
+    assert torch.equal(q_c, q_torch) and torch.equal(amax_c, amax_torch)
+
+
 def test_int8_choices_are_timed_and_saved_and_the_reference_runs_while_compiling(
     tmp_path, monkeypatch
 ):

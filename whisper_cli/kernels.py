@@ -584,21 +584,23 @@ def _unit_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _quantized_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x's rows (M, K) as unit rows (_unit_rows) quantized on the fixed grid (_X_SCALE,
+    """x's rows (M, K) as unit rows (_unit_rows) quantized on the fixed grid (_X_STEPS,
     _X_ZERO), uint8, and their maxima (M, 1), as _unit_rows makes them."""
     return _int8_rows("quantize_rows", torch.uint8, x)
 
 
 def _int8_rows(kind: str, dtype: torch.dtype, x: Tensor) -> tuple[Tensor, Tensor]:
-    """x's rows as `kind` of csrc/int8.c makes them (in `dtype`), and their maxima."""
+    """x's rows as `kind` of csrc/int8.c makes them (in `dtype`), and their maxima; uint8
+    rows are on the grid (_X_STEPS, _X_ZERO), which the C pass takes from here."""
     rows = x.reshape(-1, x.shape[-1])
     lib = _native()
     if lib is not None and _native_rows(x) and rows.stride(-1) == 1:
         m, k = rows.shape
         out = torch.empty((m, k), dtype=dtype, device=x.device)
         amax = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+        grid = (_X_STEPS, _X_ZERO) if kind == native.INT8_GRID_PASS else ()
         getattr(lib, f"{kind}_{dtype_name(x.dtype)}")(
-            rows.data_ptr(), m, k, rows.stride(0), out.data_ptr(), amax.data_ptr(),
+            rows.data_ptr(), m, k, rows.stride(0), out.data_ptr(), amax.data_ptr(), *grid,
             torch.get_num_threads(),
         )  # fmt: skip
         return out, amax
@@ -608,7 +610,7 @@ def _int8_rows(kind: str, dtype: torch.dtype, x: Tensor) -> tuple[Tensor, Tensor
     unit = (rows / amax).contiguous()
     if dtype == torch.float32:
         return unit, amax
-    return unit.mul_(1 / _X_SCALE).round_().add_(_X_ZERO).to(torch.uint8), amax
+    return unit.mul_(_X_STEPS).round_().add_(_X_ZERO).to(torch.uint8), amax
 
 
 def _rescale(
@@ -652,7 +654,8 @@ _INT8_NATIVE_DTYPES = frozenset(DTYPE_NAMES[name] for name in native.INT8_DTYPES
 # in [1, 127] (7 bits: without VNNI, u8 x s8 pair sums saturate int16 at 8 bits). A grid
 # that depends on nothing else in the call quantizes every row on its own, so a row's
 # result is the same alone, in a batch or in a tile of a larger call (int8_linear).
-_X_SCALE = 1 / 63
+_X_STEPS = 63  # grid points per unit: x = (q - zero) / steps
+_X_SCALE = 1 / _X_STEPS
 _X_ZERO = 64
 
 

@@ -60,6 +60,7 @@ DECODE_ATTENTION = {
 # csrc/int8.c: its passes, each as <pass>_<dtype> for each of INT8_DTYPES (x's dtype for
 # the row passes, out's and the bias's for the rescale).
 INT8_ROW_PASSES = ("unit_rows", "quantize_rows")  # x, M, K, x's row stride, y, amax, threads
+INT8_GRID_PASS = "quantize_rows"  # takes its grid's steps and zero (floats) before threads
 INT8_RESCALE = "rescale_rows"  # acc, M, N, amax, bias or NULL, out, out's row stride, threads
 INT8_DTYPES = ("f32", "bf16")
 MAX_KEYS = 4096
@@ -161,7 +162,8 @@ def library(cache_dir: Path) -> ctypes.CDLL | None:
     for dtype in INT8_DTYPES:
         for name in INT8_ROW_PASSES:
             fn = getattr(lib, f"{name}_{dtype}")
-            fn.argtypes = [pointers, sizes, sizes, sizes, pointers, pointers, ctypes.c_int]
+            grid = [ctypes.c_float] * 2 if name == INT8_GRID_PASS else []
+            fn.argtypes = [pointers, sizes, sizes, sizes, pointers, pointers, *grid, ctypes.c_int]
             fn.restype = None
         fn = getattr(lib, f"{INT8_RESCALE}_{dtype}")
         fn.argtypes = [pointers, sizes, sizes, pointers, pointers, pointers, sizes, ctypes.c_int]

@@ -6,12 +6,12 @@
  * amax (M,) = a: kernels._unit_rows, in the same float32 operations.
  *
  * quantize_rows_*: x (M, K) rows (float32 or bfloat16, row stride ld) -> q (M, K) uint8,
- * contiguous, and amax (M,) float32, each row quantized on its own fixed grid:
+ * contiguous, and amax (M,) float32, each row quantized on its own fixed grid, whose
+ * steps and zero the caller passes (kernels._X_STEPS, _X_ZERO; the unit rows take none):
  *     a = max |x[i, :]| (1 where the row is all zero),
- *     q[i, j] = round_half_even((x[i, j] / a) * 63) + 64,
- * the float32 operations torch performs for kernels._unit_rows and the grid
- * (_X_SCALE = 1/63, _X_ZERO = 64), in the same order, each rounded as torch rounds it:
- * the same bytes (test_kernels asserts it).
+ *     q[i, j] = round_half_even((x[i, j] / a) * steps) + zero,
+ * the float32 operations torch performs for kernels._unit_rows and the grid, in the same
+ * order, each rounded as torch rounds it: the same bytes (test_kernels asserts it).
  *
  * rescale_rows_*: acc (M, N) float32, contiguous -> out (M, N) (float32 or bfloat16, row
  * stride ld): out[i, j] = acc[i, j] * amax[i] (+ bias[j], in out's dtype, widened to
@@ -49,9 +49,9 @@ static inline float row_max(uint32_t top) {
 
 /* Each row's values divided by its maximum |x| (a float32 unit row), stored by STORE:
  * the unit row itself (fbgemm's input), or its point on the grid as uint8 (oneDNN's). */
-#define ROWS(NAME, T, LOAD, OUT, STORE)                                                   \
+#define ROWS(NAME, T, LOAD, OUT, STORE, PARAMS)                                           \
     void NAME(const T *x, int64_t M, int64_t K, int64_t ld, OUT *y, float *amax,           \
-              int threads) {                                                               \
+              PARAMS int threads) {                                                        \
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                  \
         for (int64_t i = 0; i < M; i++) {                                                  \
             const T *row = x + i * ld;                                                     \
@@ -69,16 +69,20 @@ static inline float row_max(uint32_t top) {
 
 static inline float unit(float u) { return u; }
 
-static inline uint8_t on_grid(float u) {
-    const float v = u * 63.0f;
+static inline uint8_t on_grid(float u, float steps, float zero) {
+    const float v = u * steps;
     const float r = (v + ROUNDER) - ROUNDER;
-    return (uint8_t)(int32_t)(r + 64.0f);
+    return (uint8_t)(int32_t)(r + zero);
 }
 
-ROWS(unit_rows_f32, float, as_float, float, unit)
-ROWS(unit_rows_bf16, uint16_t, from_bf16, float, unit)
-ROWS(quantize_rows_f32, float, as_float, uint8_t, on_grid)
-ROWS(quantize_rows_bf16, uint16_t, from_bf16, uint8_t, on_grid)
+/* The unit rows take no more parameters; the quantized rows take their grid. */
+#define NO_PARAMS
+#define GRID_PARAMS float steps, float zero,
+#define ON_GRID(u) on_grid((u), steps, zero)
+ROWS(unit_rows_f32, float, as_float, float, unit, NO_PARAMS)
+ROWS(unit_rows_bf16, uint16_t, from_bf16, float, unit, NO_PARAMS)
+ROWS(quantize_rows_f32, float, as_float, uint8_t, ON_GRID, GRID_PARAMS)
+ROWS(quantize_rows_bf16, uint16_t, from_bf16, uint8_t, ON_GRID, GRID_PARAMS)
 
 #define RESCALE_ROWS(NAME, T, LOAD, STORE)                                                \
     void NAME(const float *acc, int64_t M, int64_t N, const float *amax, const T *bias,    \
