@@ -523,3 +523,21 @@ def test_fill_rows_sets_rows_to_minus_inf_and_keeps_the_other_values():
         assert torch.equal(x[[1, 2]], before[[1, 2]])  # the same values (-0.0 may become 0.0)
         assert torch.equal(x[:, 6:], before[:, 6:])  # columns outside the view untouched
         assert x.dtype == dtype
+
+
+def test_a_batchs_log_mel_is_each_rows_own_whatever_the_rows_per_call(monkeypatch):
+    """batch_log_mel computes a few rows per call (bounded temporaries): the same bytes as
+    one call over the whole batch, padding rows included, for any row count."""
+    from whisper_cli import features
+
+    g = np.random.default_rng(7)
+    clips = [g.standard_normal(n).astype(np.float32) * 0.1 for n in (480000, 16000, 250000)]
+    clips += [load_audio(shared_clip("jfk.flac"))]
+    whole = np.zeros((9, features.N_SAMPLES), dtype=np.float32)
+    for row, clip in enumerate(clips):
+        whole[row, : len(clip)] = clip
+    want = log_mel(torch.from_numpy(whole), 80)
+    for rows_per_call in (1, 4, 16):
+        monkeypatch.setattr(features, "MEL_ROWS", rows_per_call)
+        got = features.batch_log_mel(clips, 9, 80, torch.device("cpu"))
+        assert got.shape == (9, 80, 3000) and torch.equal(got, want), rows_per_call
