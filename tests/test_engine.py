@@ -526,8 +526,8 @@ def test_fill_rows_sets_rows_to_minus_inf_and_keeps_the_other_values():
 
 
 def test_a_batchs_log_mel_is_each_rows_own_whatever_the_rows_per_call(monkeypatch):
-    """batch_log_mel computes a few rows per call (bounded temporaries): the same bytes as
-    one call over the whole batch, padding rows included, for any row count."""
+    """batch_log_mel computes MEL_ROWS rows per call (bounded temporaries): the same bytes
+    as one call over the whole batch, padding rows included, whatever MEL_ROWS is."""
     from whisper_cli import features
 
     g = np.random.default_rng(7)

@@ -95,5 +95,5 @@ def batch_log_mel(
 
 # Rows per log_mel call in batch_log_mel. One: at batch 16 the call's memory grows by 53
 # MiB (10 K page faults) against 294 MiB (72 K) for all 16 rows at once, in about the same
-# time once freed memory is kept (allocator.py): 59-60 against 57 ms (AMD EPYC Zen 4).
+# time once freed memory is kept (allocator.py): 59-60 against 57-62 ms (AMD EPYC Zen 4).
 MEL_ROWS = 1
