@@ -160,7 +160,9 @@ FUSED_CASES = [(torch.bfloat16, "rows"), (torch.float32, "rows"), (torch.float32
 
 
 @pytest.mark.parametrize("dtype,keys", FUSED_CASES, ids=lambda c: str(c))
-@pytest.mark.parametrize("b,h,s,d", [(16, 6, 1500, 64), (5, 8, 1500, 64), (3, 2, 37, 16)])
+@pytest.mark.parametrize(
+    "b,h,s,d", [(16, 6, 1500, 64), (5, 8, 1500, 64), (3, 2, 37, 16), (2, 3, 37, 20)]
+)
 def test_fused_decode_attention_matches_float64_and_sdpa(b, h, s, d, dtype, keys):
     """The C kernel on the caches as the eager step holds them: q a (B, T, H, D) view, k
     and v the first rows of larger buffers (DecodeCaches.compact keeps views), keys by

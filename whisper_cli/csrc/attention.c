@@ -67,12 +67,27 @@
         p[s] = dot;                                                                        \
     }
 
-/* Keys by column: every score gains q[d] times column d, along the keys. */
+/* Keys by column: every score gains q[d] times column d, along the keys, COLUMNS columns
+ * a pass. One column a pass loads and stores every score once per column, and those
+ * loads and stores, not the keys' read, then bound the loop: 26-28 GB/s of keys and
+ * values against 30-32 eight at a time, where two threads sum the same bytes at 32-34
+ * (B 16, H 6, S 1500, D 64, four layers' caches; AMD EPYC Zen 4, 2 cores). */
+#define COLUMNS 8
 #define KEY_COLUMNS(LOAD)                                                                  \
     for (int64_t s = 0; s < n; s++) p[s] = 0.0f;                                           \
-    for (int64_t d = 0; d < D; d++) {                                                      \
-        const __typeof__(*k) *col = ki + d * ks[3];                                        \
-        for (int64_t s = 0; s < n; s++) p[s] += qf[d] * LOAD(col[s]);                      \
+    int64_t d0 = 0;                                                                        \
+    for (; d0 + COLUMNS <= D; d0 += COLUMNS) {                                             \
+        const __typeof__(*k) *col = ki + d0 * ks[3];                                       \
+        for (int64_t s = 0; s < n; s++) {                                                  \
+            float x = p[s];                                                                \
+            for (int64_t j = 0; j < COLUMNS; j++)                                          \
+                x += qf[d0 + j] * LOAD(col[j * ks[3] + s]);                                \
+            p[s] = x;                                                                      \
+        }                                                                                  \
+    }                                                                                      \
+    for (; d0 < D; d0++) {                                                                 \
+        const __typeof__(*k) *col = ki + d0 * ks[3];                                       \
+        for (int64_t s = 0; s < n; s++) p[s] += qf[d0] * LOAD(col[s]);                     \
     }
 
 DECODE_ATTENTION(decode_attention_bf16, uint16_t, from_bf16, to_bf16, KEY_ROWS)
