@@ -3,8 +3,11 @@ the selection (timing once, the JSON cache, the override, nothing timed while co
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
+import platform
+import subprocess
 import time
 from pathlib import Path
 
@@ -1313,7 +1316,7 @@ def test_each_int8_linear_matches_float64(dtype, lead):
         out = kernels.INT8_LINEAR[name](x, weight, scale, b, form)
         # Row by row: a small row's error is its own, not the large rows'.
         err = ((out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
-        bound = {"dequant": 1e-6, "weight-only": 0.01}.get(name, 0.05)
+        bound = {"dequant": 1e-6, "widened": 1e-6, "weight-only": 0.01}.get(name, 0.05)
         if dtype == torch.bfloat16:
             bound = max(bound, 0.01)
         assert err <= bound, (name, err)
@@ -1444,6 +1447,54 @@ def test_the_c_grid_is_the_one_kernels_py_names(dtype, monkeypatch):
     q_torch, amax_torch = kernels._quantized_rows(x)
     assert int(q_c.min()) == 85 and int(q_c.max()) == 115  # each row's extreme: zero -+ 15
     assert torch.equal(q_c, q_torch) and torch.equal(amax_c, amax_torch)
+
+
+def _native_library(tmp_path: Path, extra: tuple[str, ...]):
+    """The library built as native.py builds it, `extra` after each source's flags."""
+    cc, name = native.compiler(), "native" + "".join(extra)
+    objs = [tmp_path / f"{name}-{source.stem}.o" for source in native.SOURCES]
+    lib = tmp_path / f"{name}.so"
+    cmds = [
+        [cc, *flags, *extra, "-o", str(obj), str(source)]
+        for obj, (source, flags) in zip(objs, native.SOURCES.items(), strict=True)
+    ]
+    for cmd in [*cmds, [cc, *native.LINK_FLAGS, "-o", str(lib), *map(str, objs), *native.LIBS]]:
+        subprocess.run(cmd, check=True, capture_output=True, timeout=native.BUILD_TIMEOUT_S)
+    return native.declare(ctypes.CDLL(str(lib)))
+
+
+def test_the_widened_int8_product_is_the_same_on_every_vector_path(tmp_path, monkeypatch):
+    """csrc/int8.c's int8_matmul_f32 takes AVX-512, AVX2 or plain C by what it is built
+    for: each gives the same bytes (the same multiply-adds in the same order), within
+    float32 rounding of the float64 product; on rows with a stride of their own, into an
+    output with one (its columns past N untouched), N not a multiple of the packing's
+    columns, with a bias and without, and every row count a tile can leave."""
+    native_built()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the vector paths are x86's")
+    weight, scale, bias = int8_layer(n=83, k=37, seed=21)
+    prepared = kernels.int8_form("widened", weight, scale)
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(17, 40, generator=g)[:, :37] * torch.logspace(-2, 1, 17)[:, None]
+    ref = F.linear(x.double(), weight.double() * scale.double()[:, None], bias.double())
+    builds = [(), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")]
+    results = []
+    for extra in builds:
+        lib = _native_library(tmp_path, extra)
+        monkeypatch.setattr(kernels, "_native", lambda lib=lib: lib)
+        outs = []
+        for m in (1, 3, 4, 5, 8, 9, 17):
+            for b in (bias, None):
+                out = torch.full((m, 90), 7.0)
+                kernels.INT8_LINEAR["widened"](x[:m], weight, scale, b, prepared, out[:, :83])
+                assert (out[:, 83:] == 7.0).all(), (extra, m)
+                outs.append(out[:, :83])
+                want = ref[:m] if b is not None else ref[:m] - bias.double()
+                err = ((out[:, :83].double() - want).norm(dim=-1) / want.norm(dim=-1)).max()
+                assert err <= 1e-6, (extra, m, err)
+        results.append(outs)
+    for extra, outs in zip(builds[1:], results[1:], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(results[0], outs, strict=True)), extra
 
 
 def test_int8_choices_are_timed_and_saved_and_the_reference_runs_while_compiling(

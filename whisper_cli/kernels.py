@@ -703,17 +703,60 @@ def _int8_weight_only(x, weight, scale, bias, prepared, out=None):
     return _into(acc.view(*x.shape[:-1], weight.shape[0]).to(x.dtype), out)
 
 
+def _widened_prepare(weight: Tensor, scale: Tensor):
+    """csrc/int8.c's form for int8_matmul_f32: the weight packed by native.MATMUL_COLUMNS
+    output columns, zero past N, (ceil(N / columns), K, columns); the scales in float32."""
+    n, k = weight.shape
+    columns = native.MATMUL_COLUMNS
+    padded = weight.new_zeros((-(-n // columns) * columns, k))
+    padded[:n] = weight
+    return padded.view(-1, columns, k).transpose(1, 2).contiguous(), scale.float().contiguous()
+
+
+def _int8_widened(x, weight, scale, bias, prepared, out=None):
+    """float32 rows times the int8 weight widened to float32 as it is read (csrc/int8.c,
+    int8_matmul_f32): each output one float32 sum of fused multiply-adds, then its scale
+    and bias; nothing quantized or rounded to bfloat16 on the way, so as close to the
+    reference ("dequant") as float32 sums in another order. Bound by its multiply-adds
+    (an int8 GEMM does four times as many an instruction), so for a decode step's few
+    rows, where the others' passes around their product cost more than it: one call,
+    not torch's five (widen, product, upcast, bias, round). Where the library is not
+    built, the reference."""
+    lib = _native()
+    if lib is None or x.dtype != torch.float32:
+        return _int8_dequant(x, weight, scale, bias, out=out)
+    packed, scales = prepared
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    direct = out is not None and out.dim() == 2 and out.stride(-1) == 1
+    result = out if direct else x.new_empty((m, n))
+    b = None if bias is None else bias.float().contiguous()
+    getattr(lib, native.INT8_MATMUL)(
+        rows.data_ptr(), m, k, rows.stride(0), packed.data_ptr(), n, scales.data_ptr(),
+        None if b is None else b.data_ptr(), result.data_ptr(), result.stride(0),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if direct:
+        return out
+    return _into(result.view(*x.shape[:-1], n), out)
+
+
 INT8_LINEAR: dict[str, Callable] = {
     "dequant": _int8_dequant,
     "fbgemm": _int8_fbgemm,
     "onednn": _int8_onednn,
     "weight-only": _int8_weight_only,
+    "widened": _int8_widened,
 }
 # The form of the weight each implementation takes (`prepared`); "dequant" takes none.
 _INT8_PREPARE: dict[str, Callable[[Tensor, Tensor], object]] = {
     "fbgemm": _fbgemm_prepare,
     "onednn": _onednn_prepare,
     "weight-only": lambda weight, scale: scale.to(torch.bfloat16),  # the scales, in bf16
+    "widened": _widened_prepare,
 }
 
 
@@ -734,7 +777,8 @@ def _has_op(namespace: str, name: str) -> bool:
 def int8_candidates(dtype: torch.dtype) -> tuple[str, ...]:
     """Implementations timed for an int8 linear layer with `dtype` activations: the
     reference; fbgemm and oneDNN where this torch has them; the weight-only kernel for
-    float32 and bfloat16 rows (float16 ones would need the scales in float16)."""
+    float32 and bfloat16 rows (float16 ones would need the scales in float16); the C
+    loop over the widened weight for float32 rows, where the library builds."""
     names = ["dequant"]
     if "fbgemm" in torch.backends.quantized.supported_engines:
         names.append("fbgemm")
@@ -742,6 +786,8 @@ def int8_candidates(dtype: torch.dtype) -> tuple[str, ...]:
         names.append("onednn")
     if dtype in (torch.float32, torch.bfloat16):
         names.append("weight-only")
+    if dtype == torch.float32 and _native_offered():
+        names.append("widened")
     return tuple(names)
 
 

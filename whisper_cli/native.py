@@ -63,6 +63,11 @@ INT8_ROW_PASSES = ("unit_rows", "quantize_rows")  # x, M, K, x's row stride, y, 
 INT8_GRID_PASS = "quantize_rows"  # takes its grid's steps and zero (floats) before threads
 INT8_RESCALE = "rescale_rows"  # acc, M, N, amax, bias or NULL, out, out's row stride, threads
 INT8_DTYPES = ("f32", "bf16")
+# csrc/int8.c's product of float32 rows and an int8 weight packed by MATMUL_COLUMNS output
+# columns: x, M, K, x's row stride, packed, N, scale, bias or NULL, out, out's row stride,
+# threads.
+INT8_MATMUL = "int8_matmul_f32"
+MATMUL_COLUMNS = 16  # as csrc/int8.c defines it
 MAX_KEYS = 4096
 MAX_HEAD_DIM = 256
 
@@ -152,6 +157,11 @@ def library(cache_dir: Path) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.debug("native kernels unavailable: %s", exc)
         return None
+    return declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The library with its functions' C signatures set (ctypes checks the calls)."""
     for name in DECODE_ATTENTION:
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [_I64P] * 4
@@ -168,6 +178,10 @@ def library(cache_dir: Path) -> ctypes.CDLL | None:
         fn = getattr(lib, f"{INT8_RESCALE}_{dtype}")
         fn.argtypes = [pointers, sizes, sizes, pointers, pointers, pointers, sizes, ctypes.c_int]
         fn.restype = None
+    fn = getattr(lib, INT8_MATMUL)
+    fn.argtypes = [pointers, sizes, sizes, sizes, pointers, sizes, pointers, pointers, pointers]
+    fn.argtypes += [sizes, ctypes.c_int]
+    fn.restype = None
     return lib
 
 
