@@ -714,16 +714,16 @@ def _widened_prepare(weight: Tensor, scale: Tensor):
 
 
 def _int8_widened(x, weight, scale, bias, prepared, out=None):
-    """float32 rows times the int8 weight widened to float32 as it is read (csrc/int8.c,
-    int8_matmul_f32): each output one float32 sum of fused multiply-adds, then its scale
-    and bias; nothing quantized or rounded to bfloat16 on the way, so as close to the
-    reference ("dequant") as float32 sums in another order. Bound by its multiply-adds
-    (an int8 GEMM does four times as many an instruction), so for a decode step's few
-    rows, where the others' passes around their product cost more than it: one call,
-    not torch's five (widen, product, upcast, bias, round). Where the library is not
-    built, the reference."""
+    """Rows times the int8 weight widened to float32 as it is read (csrc/int8.c,
+    int8_matmul_*): each output one float32 sum of fused multiply-adds, then its scale
+    and bias, rounded once to x's dtype; nothing quantized or rounded to bfloat16 on the
+    way, so as close to the reference ("dequant") as float32 sums in another order.
+    Bound by its multiply-adds (an int8 GEMM does four times as many an instruction),
+    so for a decode step's few rows, where the others' passes around their product cost
+    more than it: one call, not torch's five (widen, product, upcast, bias, round).
+    Where the library is not built, or the bias is not in x's dtype, the reference."""
     lib = _native()
-    if lib is None or x.dtype != torch.float32:
+    if lib is None or not _native_rows(x) or (bias is not None and bias.dtype != x.dtype):
         return _int8_dequant(x, weight, scale, bias, out=out)
     packed, scales = prepared
     n, k = weight.shape
@@ -733,8 +733,8 @@ def _int8_widened(x, weight, scale, bias, prepared, out=None):
     m = rows.shape[0]
     direct = out is not None and out.dim() == 2 and out.stride(-1) == 1
     result = out if direct else x.new_empty((m, n))
-    b = None if bias is None else bias.float().contiguous()
-    getattr(lib, native.INT8_MATMUL)(
+    b = None if bias is None else bias.contiguous()
+    getattr(lib, f"{native.INT8_MATMUL}_{dtype_name(x.dtype)}")(
         rows.data_ptr(), m, k, rows.stride(0), packed.data_ptr(), n, scales.data_ptr(),
         None if b is None else b.data_ptr(), result.data_ptr(), result.stride(0),
         torch.get_num_threads(),
@@ -777,8 +777,8 @@ def _has_op(namespace: str, name: str) -> bool:
 def int8_candidates(dtype: torch.dtype) -> tuple[str, ...]:
     """Implementations timed for an int8 linear layer with `dtype` activations: the
     reference; fbgemm and oneDNN where this torch has them; the weight-only kernel for
-    float32 and bfloat16 rows (float16 ones would need the scales in float16); the C
-    loop over the widened weight for float32 rows, where the library builds."""
+    float32 and bfloat16 rows (float16 ones would need the scales in float16), and the
+    C loop over the widened weight for them where the library builds."""
     names = ["dequant"]
     if "fbgemm" in torch.backends.quantized.supported_engines:
         names.append("fbgemm")
@@ -786,8 +786,8 @@ def int8_candidates(dtype: torch.dtype) -> tuple[str, ...]:
         names.append("onednn")
     if dtype in (torch.float32, torch.bfloat16):
         names.append("weight-only")
-    if dtype == torch.float32 and _native_offered():
-        names.append("widened")
+        if _native_offered():
+            names.append("widened")
     return tuple(names)
 
 

@@ -63,10 +63,10 @@ INT8_ROW_PASSES = ("unit_rows", "quantize_rows")  # x, M, K, x's row stride, y, 
 INT8_GRID_PASS = "quantize_rows"  # takes its grid's steps and zero (floats) before threads
 INT8_RESCALE = "rescale_rows"  # acc, M, N, amax, bias or NULL, out, out's row stride, threads
 INT8_DTYPES = ("f32", "bf16")
-# csrc/int8.c's product of float32 rows and an int8 weight packed by MATMUL_COLUMNS output
-# columns: x, M, K, x's row stride, packed, N, scale, bias or NULL, out, out's row stride,
-# threads.
-INT8_MATMUL = "int8_matmul_f32"
+# csrc/int8.c's product of rows and an int8 weight packed by MATMUL_COLUMNS output columns,
+# as <it>_<dtype> for each of INT8_DTYPES (x's, the bias's and out's): x, M, K, x's row
+# stride, packed, N, scale (float32), bias or NULL, out, out's row stride, threads.
+INT8_MATMUL = "int8_matmul"
 MATMUL_COLUMNS = 16  # as csrc/int8.c defines it
 MAX_KEYS = 4096
 MAX_HEAD_DIM = 256
@@ -178,10 +178,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn = getattr(lib, f"{INT8_RESCALE}_{dtype}")
         fn.argtypes = [pointers, sizes, sizes, pointers, pointers, pointers, sizes, ctypes.c_int]
         fn.restype = None
-    fn = getattr(lib, INT8_MATMUL)
-    fn.argtypes = [pointers, sizes, sizes, sizes, pointers, sizes, pointers, pointers, pointers]
-    fn.argtypes += [sizes, ctypes.c_int]
-    fn.restype = None
+        fn = getattr(lib, f"{INT8_MATMUL}_{dtype}")
+        fn.argtypes = [pointers, sizes, sizes, sizes, pointers, sizes, pointers, pointers]
+        fn.argtypes += [pointers, sizes, ctypes.c_int]
+        fn.restype = None
     return lib
 
 

@@ -1,6 +1,6 @@
 /* The float work around an int8 GEMM (kernels._int8_onednn, _int8_fbgemm), each in one
  * pass over its rows instead of torch's chain of elementwise calls; and the product of a
- * few float32 rows with an int8 weight (int8_matmul_f32, at the end).
+ * few rows with an int8 weight (int8_matmul_*, at the end).
  *
  * unit_rows_*: x (M, K) rows (float32 or bfloat16, row stride ld) -> unit (M, K) float32,
  * contiguous, each row divided by a = max |x[i, :]| (1 where the row is all zero), and
@@ -104,11 +104,12 @@ ROWS(quantize_rows_bf16, uint16_t, from_bf16, uint8_t, ON_GRID, GRID_PARAMS)
 RESCALE_ROWS(rescale_rows_f32, float, as_float, as_float)
 RESCALE_ROWS(rescale_rows_bf16, uint16_t, from_bf16, to_bf16)
 
-/* int8_matmul_f32: out (M, N) = (x (M, K) . w (N, K)^T) * scale + bias, float32, the int8
- * weight widened to float32 in registers: for the few rows of a decode step, where an
- * int8 GEMM's own passes (quantizing the rows, packing, rescaling) cost more than the
- * product (kernels._int8_widened). x's rows have stride ldx, out's ldo; the weight comes
- * packed by C = MATMUL_COLUMNS output columns, zero past N:
+/* int8_matmul_*: out (M, N) = (x (M, K) . w (N, K)^T) * scale + bias, computed in float32
+ * with the int8 weight widened to float32 in registers, x, bias and out in float32 or
+ * bfloat16 (widened as read, the result rounded once as written): for the few rows of a
+ * decode step, where an int8 GEMM's own passes (quantizing the rows, packing, rescaling)
+ * cost more than the product (kernels._int8_widened). x's rows have stride ldx, out's
+ * ldo; the weight comes packed by C = MATMUL_COLUMNS output columns, zero past N:
  *     packed[(n / C) * K * C + k * C + n % C] = w[n, k].
  * Each output is one float32 sum over k in order, one rounding per term (a fused
  * multiply-add), then its scale and bias in one more: the same operations for a row
@@ -117,15 +118,15 @@ RESCALE_ROWS(rescale_rows_bf16, uint16_t, from_bf16, to_bf16)
  * path gives the same bytes (test_kernels builds each). */
 #define MATMUL_COLUMNS 16
 
-/* Writes a tile's row of MATMUL_COLUMNS results where fewer than that remain before N. */
-static inline void store_columns(float *o, const float *r, int64_t left) {
-    memcpy(o, r, sizeof(float) * (size_t)(left < MATMUL_COLUMNS ? left : MATMUL_COLUMNS));
-}
+/* A tile's row of float32 results r, as many as remain before N. */
+#define STORE_COLUMNS(o, r, left, STORE)                                                  \
+    for (int64_t j = 0; j < (left < MATMUL_COLUMNS ? left : MATMUL_COLUMNS); j++)         \
+        (o)[j] = STORE((r)[j]);
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define MATMUL_ROWS 8
-#define MATMUL_TILE(MB)                                                                    \
+#define MATMUL_TILE(MB, LOAD, STORE)                                                       \
     {                                                                                      \
         __m512 acc[MB];                                                                    \
         for (int i = 0; i < MB; i++) acc[i] = _mm512_setzero_ps();                         \
@@ -133,20 +134,22 @@ static inline void store_columns(float *o, const float *r, int64_t left) {
             const int8_t *wk = wb + k * MATMUL_COLUMNS;                                    \
             const __m128i b = _mm_loadu_si128((const __m128i *)wk);                        \
             const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));                  \
-            for (int i = 0; i < MB; i++)                                                   \
-                acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xr[i * ldx + k]), w, acc[i]);      \
+            for (int i = 0; i < MB; i++) {                                                 \
+                const __m512 xi = _mm512_set1_ps(LOAD(xr[i * ldx + k]));                   \
+                acc[i] = _mm512_fmadd_ps(xi, w, acc[i]);                                   \
+            }                                                                              \
         }                                                                                  \
         for (int i = 0; i < MB; i++) {                                                     \
             float r[MATMUL_COLUMNS];                                                       \
             const __m512 si = _mm512_loadu_ps(s), ci = _mm512_loadu_ps(c);                \
             _mm512_storeu_ps(r, _mm512_fmadd_ps(acc[i], si, ci));                          \
-            store_columns(out + (m0 + i) * ldo + n0, r, N - n0);                           \
+            STORE_COLUMNS(out + (m0 + i) * ldo + n0, r, N - n0, STORE)                     \
         }                                                                                  \
     }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MATMUL_ROWS 4
-#define MATMUL_TILE(MB)                                                                    \
+#define MATMUL_TILE(MB, LOAD, STORE)                                                       \
     {                                                                                      \
         __m256 lo[MB], hi[MB];                                                             \
         for (int i = 0; i < MB; i++) lo[i] = hi[i] = _mm256_setzero_ps();                  \
@@ -157,7 +160,7 @@ static inline void store_columns(float *o, const float *r, int64_t left) {
             const __m256 wh = _mm256_cvtepi32_ps(                                          \
                 _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wk + 8))));         \
             for (int i = 0; i < MB; i++) {                                                 \
-                const __m256 xi = _mm256_set1_ps(xr[i * ldx + k]);                         \
+                const __m256 xi = _mm256_set1_ps(LOAD(xr[i * ldx + k]));                   \
                 lo[i] = _mm256_fmadd_ps(xi, wl, lo[i]);                                    \
                 hi[i] = _mm256_fmadd_ps(xi, wh, hi[i]);                                    \
             }                                                                              \
@@ -168,50 +171,67 @@ static inline void store_columns(float *o, const float *r, int64_t left) {
             const __m256 sh = _mm256_loadu_ps(s + 8), ch = _mm256_loadu_ps(c + 8);         \
             _mm256_storeu_ps(r, _mm256_fmadd_ps(lo[i], sl, cl));                           \
             _mm256_storeu_ps(r + 8, _mm256_fmadd_ps(hi[i], sh, ch));                       \
-            store_columns(out + (m0 + i) * ldo + n0, r, N - n0);                           \
+            STORE_COLUMNS(out + (m0 + i) * ldo + n0, r, N - n0, STORE)                     \
         }                                                                                  \
     }
 #else
 #define MATMUL_ROWS 1
-#define MATMUL_TILE(MB)                                                                    \
-    for (int64_t j = 0; j < MATMUL_COLUMNS; j++) {                                         \
+#define MATMUL_TILE(MB, LOAD, STORE)                                                       \
+    for (int64_t j = 0; j < MATMUL_COLUMNS && n0 + j < N; j++) {                           \
         float acc = 0.0f;                                                                  \
         for (int64_t k = 0; k < K; k++)                                                    \
-            acc = fmaf(xr[k], (float)wb[k * MATMUL_COLUMNS + j], acc);                     \
-        if (n0 + j < N) out[m0 * ldo + n0 + j] = fmaf(acc, s[j], c[j]);                   \
+            acc = fmaf(LOAD(xr[k]), (float)wb[k * MATMUL_COLUMNS + j], acc);               \
+        out[m0 * ldo + n0 + j] = STORE(fmaf(acc, s[j], c[j]));                             \
     }
 #endif
 
-void int8_matmul_f32(const float *x, int64_t M, int64_t K, int64_t ldx,
-                     const int8_t *packed, int64_t N, const float *scale, const float *bias,
-                     float *out, int64_t ldo, int threads) {
-    const int64_t tiles = (N + MATMUL_COLUMNS - 1) / MATMUL_COLUMNS;
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * MATMUL_COLUMNS;
-        const int8_t *wb = packed + t * K * MATMUL_COLUMNS;
-        /* This tile's scales and biases, zero past N (padded columns are not stored). */
-        float s[MATMUL_COLUMNS], c[MATMUL_COLUMNS];
-        for (int64_t j = 0; j < MATMUL_COLUMNS; j++) {
-            s[j] = n0 + j < N ? scale[n0 + j] : 0.0f;
-            c[j] = n0 + j < N && bias ? bias[n0 + j] : 0.0f;
-        }
-        for (int64_t m0 = 0; m0 < M; m0 += MATMUL_ROWS) {
-            const float *xr = x + m0 * ldx;
-            switch (M - m0 < MATMUL_ROWS ? M - m0 : MATMUL_ROWS) {
-#if MATMUL_ROWS >= 8
-            case 8: MATMUL_TILE(8) break;
-            case 7: MATMUL_TILE(7) break;
-            case 6: MATMUL_TILE(6) break;
-            case 5: MATMUL_TILE(5) break;
-#endif
-#if MATMUL_ROWS >= 4
-            case 4: MATMUL_TILE(4) break;
-            case 3: MATMUL_TILE(3) break;
-            case 2: MATMUL_TILE(2) break;
-#endif
-            default: MATMUL_TILE(1) break;
-            }
-        }
+#define INT8_MATMUL(NAME, T, LOAD, STORE)                                                  \
+    void NAME(const T *x, int64_t M, int64_t K, int64_t ldx, const int8_t *packed,         \
+              int64_t N, const float *scale, const T *bias, T *out, int64_t ldo,           \
+              int threads) {                                                               \
+        const int64_t tiles = (N + MATMUL_COLUMNS - 1) / MATMUL_COLUMNS;                   \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                  \
+        for (int64_t t = 0; t < tiles; t++) {                                              \
+            const int64_t n0 = t * MATMUL_COLUMNS;                                         \
+            const int8_t *wb = packed + t * K * MATMUL_COLUMNS;                            \
+            /* Its scales and biases, zero past N (those columns are not stored). */       \
+            float s[MATMUL_COLUMNS], c[MATMUL_COLUMNS];                                    \
+            for (int64_t j = 0; j < MATMUL_COLUMNS; j++) {                                 \
+                s[j] = n0 + j < N ? scale[n0 + j] : 0.0f;                                  \
+                c[j] = n0 + j < N && bias ? LOAD(bias[n0 + j]) : 0.0f;                     \
+            }                                                                              \
+            for (int64_t m0 = 0; m0 < M; m0 += MATMUL_ROWS) {                              \
+                const T *xr = x + m0 * ldx;                                                \
+                const int64_t rows = M - m0 < MATMUL_ROWS ? M - m0 : MATMUL_ROWS;          \
+                MATMUL_ROWS_SWITCH(rows, LOAD, STORE)                                      \
+            }                                                                              \
+        }                                                                                  \
     }
-}
+
+/* The tile for the rows left: a tile's rows are a constant (its sums stay in registers). */
+#if MATMUL_ROWS >= 8
+#define MATMUL_ROWS_SWITCH(rows, LOAD, STORE)                                              \
+    switch (rows) {                                                                        \
+    case 8: MATMUL_TILE(8, LOAD, STORE) break;                                             \
+    case 7: MATMUL_TILE(7, LOAD, STORE) break;                                             \
+    case 6: MATMUL_TILE(6, LOAD, STORE) break;                                             \
+    case 5: MATMUL_TILE(5, LOAD, STORE) break;                                             \
+    case 4: MATMUL_TILE(4, LOAD, STORE) break;                                             \
+    case 3: MATMUL_TILE(3, LOAD, STORE) break;                                             \
+    case 2: MATMUL_TILE(2, LOAD, STORE) break;                                             \
+    default: MATMUL_TILE(1, LOAD, STORE) break;                                            \
+    }
+#elif MATMUL_ROWS >= 4
+#define MATMUL_ROWS_SWITCH(rows, LOAD, STORE)                                              \
+    switch (rows) {                                                                        \
+    case 4: MATMUL_TILE(4, LOAD, STORE) break;                                             \
+    case 3: MATMUL_TILE(3, LOAD, STORE) break;                                             \
+    case 2: MATMUL_TILE(2, LOAD, STORE) break;                                             \
+    default: MATMUL_TILE(1, LOAD, STORE) break;                                            \
+    }
+#else
+#define MATMUL_ROWS_SWITCH(rows, LOAD, STORE) MATMUL_TILE(1, LOAD, STORE)
+#endif
+
+INT8_MATMUL(int8_matmul_f32, float, as_float, as_float)
+INT8_MATMUL(int8_matmul_bf16, uint16_t, from_bf16, to_bf16)
