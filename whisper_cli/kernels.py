@@ -704,7 +704,7 @@ def _int8_weight_only(x, weight, scale, bias, prepared, out=None):
 
 
 def _widened_prepare(weight: Tensor, scale: Tensor):
-    """csrc/int8.c's form for int8_matmul_f32: the weight packed by native.MATMUL_COLUMNS
+    """csrc/int8.c's form for int8_matmul_*: the weight packed by native.MATMUL_COLUMNS
     output columns, zero past N, (ceil(N / columns), K, columns); the scales in float32."""
     n, k = weight.shape
     columns = native.MATMUL_COLUMNS
@@ -731,7 +731,9 @@ def _int8_widened(x, weight, scale, bias, prepared, out=None):
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
-    direct = out is not None and out.dim() == 2 and out.stride(-1) == 1
+    # The C loop writes x's dtype into (m, n) rows of a stride of their own.
+    direct = out is not None and out.shape == (m, n) and out.dtype == x.dtype
+    direct = direct and out.stride(-1) == 1
     result = out if direct else x.new_empty((m, n))
     b = None if bias is None else bias.contiguous()
     getattr(lib, f"{native.INT8_MATMUL}_{dtype_name(x.dtype)}")(
