@@ -721,12 +721,15 @@ def _int8_widened(x, weight, scale, bias, prepared, out=None):
     Bound by its multiply-adds (an int8 GEMM does four times as many an instruction),
     so for a decode step's few rows, where the others' passes around their product cost
     more than it: one call, not torch's five (widen, product, upcast, bias, round).
-    Where the library is not built, or the bias is not in x's dtype, the reference."""
+    Where the library is not built, or x or the bias is not as the C loop reads it (a
+    CPU tensor, in x's dtype, of the weight's sizes), the reference."""
     lib = _native()
-    if lib is None or not _native_rows(x) or (bias is not None and bias.dtype != x.dtype):
+    n, k = weight.shape
+    takes = _native_rows(x) and x.device.type == "cpu" and x.shape[-1] == k
+    takes &= bias is None or (bias.dtype == x.dtype and bias.shape == (n,))
+    if lib is None or not takes:
         return _int8_dequant(x, weight, scale, bias, out=out)
     packed, scales = prepared
-    n, k = weight.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

@@ -42,8 +42,9 @@ SOURCES = {
     # -ffast-math lets gcc vectorize the float32 sums and call glibc's vector exp
     # (libmvec); attention.c says why that is exact enough.
     CSRC / "attention.c": (*_COMMON_FLAGS, "-ffast-math"),
-    # Every operation rounded as written (no reciprocal, no fused multiply-add): the
-    # same bytes as torch's elementwise chain it replaces (int8.c).
+    # Every operation rounded as written (no reciprocal, no fused multiply-add but those
+    # written): the row passes give the bytes of torch's elementwise chain they replace,
+    # and the int8 product the same bytes on each of its vector paths (int8.c).
     CSRC / "int8.c": (*_COMMON_FLAGS, "-ffp-contract=off"),
 }
 HEADERS = (CSRC / "floats.h",)  # included by the sources: part of the library's digest

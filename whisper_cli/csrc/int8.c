@@ -177,11 +177,15 @@ RESCALE_ROWS(rescale_rows_bf16, uint16_t, from_bf16, to_bf16)
 #else
 #define MATMUL_ROWS 1
 #define MATMUL_TILE(MB, LOAD, STORE)                                                       \
-    for (int64_t j = 0; j < MATMUL_COLUMNS && n0 + j < N; j++) {                           \
-        float acc = 0.0f;                                                                  \
-        for (int64_t k = 0; k < K; k++)                                                    \
-            acc = fmaf(LOAD(xr[k]), (float)wb[k * MATMUL_COLUMNS + j], acc);               \
-        out[m0 * ldo + n0 + j] = STORE(fmaf(acc, s[j], c[j]));                             \
+    {                                                                                      \
+        float acc[MATMUL_COLUMNS] = {0.0f}, r[MATMUL_COLUMNS];                             \
+        for (int64_t k = 0; k < K; k++) {                                                  \
+            const float xk = LOAD(xr[k]);                                                  \
+            for (int64_t j = 0; j < MATMUL_COLUMNS; j++)                                   \
+                acc[j] = fmaf(xk, (float)wb[k * MATMUL_COLUMNS + j], acc[j]);              \
+        }                                                                                  \
+        for (int64_t j = 0; j < MATMUL_COLUMNS; j++) r[j] = fmaf(acc[j], s[j], c[j]);      \
+        STORE_COLUMNS(out + m0 * ldo + n0, r, N - n0, STORE)                               \
     }
 #endif
 
@@ -230,7 +234,7 @@ RESCALE_ROWS(rescale_rows_bf16, uint16_t, from_bf16, to_bf16)
     default: MATMUL_TILE(1, LOAD, STORE) break;                                            \
     }
 #else
-#define MATMUL_ROWS_SWITCH(rows, LOAD, STORE) MATMUL_TILE(1, LOAD, STORE)
+#define MATMUL_ROWS_SWITCH(rows, LOAD, STORE) (void)(rows); MATMUL_TILE(1, LOAD, STORE)
 #endif
 
 INT8_MATMUL(int8_matmul_f32, float, as_float, as_float)
