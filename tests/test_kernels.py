@@ -1449,11 +1449,11 @@ def test_the_c_grid_is_the_one_kernels_py_names(dtype, monkeypatch):
     assert torch.equal(q_c, q_torch) and torch.equal(amax_c, amax_torch)
 
 
-def _native_library(tmp_path: Path, extra: tuple[str, ...]):
+def _native_library(where: Path, extra: tuple[str, ...]):
     """The library built as native.py builds it, `extra` after each source's flags."""
     cc, name = native.compiler(), "native" + "".join(extra)
-    objs = [tmp_path / f"{name}-{source.stem}.o" for source in native.SOURCES]
-    lib = tmp_path / f"{name}.so"
+    objs = [where / f"{name}-{source.stem}.o" for source in native.SOURCES]
+    lib = where / f"{name}.so"
     cmds = [
         [cc, *flags, *extra, "-o", str(obj), str(source)]
         for obj, (source, flags) in zip(objs, native.SOURCES.items(), strict=True)
@@ -1463,31 +1463,50 @@ def _native_library(tmp_path: Path, extra: tuple[str, ...]):
     return native.declare(ctypes.CDLL(str(lib)))
 
 
+VECTOR_BUILDS = [(), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")]
+
+
+@pytest.fixture(scope="module")
+def vector_builds(tmp_path_factory):
+    """The library built for each vector path of csrc/int8.c's int8 product (AVX-512
+    where this CPU has it, AVX2, plain C), once for the module."""
+    native_built()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the vector paths are x86's")
+    where = tmp_path_factory.mktemp("native")
+    return [_native_library(where, extra) for extra in VECTOR_BUILDS]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_widened_int8_product_is_the_same_on_every_vector_path(dtype, tmp_path, monkeypatch):
+def test_the_widened_int8_product_is_the_same_on_every_vector_path(
+    dtype, vector_builds, monkeypatch
+):
     """csrc/int8.c's int8_matmul_* takes AVX-512, AVX2 or plain C by what it is built for:
     each gives the same bytes (the same multiply-adds in the same order), as close to the
     float64 product as the float32 sums (f32) or the one rounding to the dtype (bf16)
     allow; on rows with a stride of their own, into an output with one (its columns past
     N untouched), N not a multiple of the packing's columns, with a bias and without, and
-    every row count a tile can leave."""
-    native_built()
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the vector paths are x86's")
+    1 to 17 rows (every count a tile of 8 or 4 rows can leave)."""
     weight, scale, bias = int8_layer(n=83, k=37, seed=21)
     bias = bias.to(dtype)
     prepared = kernels.int8_form("widened", weight, scale)
     g = torch.Generator().manual_seed(22)
-    x = torch.randn(17, 40, generator=g)[:, :37] * torch.logspace(-2, 1, 17)[:, None]
-    x = x.to(dtype)
+    wide = torch.randn(17, 40, generator=g) * torch.logspace(-2, 1, 17)[:, None]
+    x = wide.to(dtype)[:, :37]  # rows 40 apart
+    assert x.stride() == (40, 1)
     w = weight.double() * scale.double()[:, None]
-    builds = [(), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")]
     results = []
-    for extra in builds:
-        lib = _native_library(tmp_path, extra)
-        monkeypatch.setattr(kernels, "_native", lambda lib=lib: lib)
+    for extra, lib in zip(VECTOR_BUILDS, vector_builds, strict=True):
+        called = []
+
+        class Spy:  # the build, noting the calls of its product
+            def __getattr__(self, name, lib=lib, called=called):
+                called.append(name)
+                return getattr(lib, name)
+
+        monkeypatch.setattr(kernels, "_native", Spy)
         outs = []
-        for m in (1, 3, 4, 5, 8, 9, 17):
+        for m in range(1, 18):
             for b in (bias, None):
                 out = torch.full((m, 90), 7.0, dtype=dtype)
                 kernels.INT8_LINEAR["widened"](x[:m], weight, scale, b, prepared, out[:, :83])
@@ -1496,8 +1515,9 @@ def test_the_widened_int8_product_is_the_same_on_every_vector_path(dtype, tmp_pa
                 want = F.linear(x[:m].double(), w, None if b is None else b.double())
                 err = ((out[:, :83].double() - want).norm(dim=-1) / want.norm(dim=-1)).max()
                 assert err <= (1e-6 if dtype == torch.float32 else 4e-3), (extra, m, err)
+        assert called == [f"{native.INT8_MATMUL}_{dtype_name(dtype)}"] * 34, extra
         results.append(outs)
-    for extra, outs in zip(builds[1:], results[1:], strict=True):
+    for extra, outs in zip(VECTOR_BUILDS[1:], results[1:], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(results[0], outs, strict=True)), extra
 
 
