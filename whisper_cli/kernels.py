@@ -704,10 +704,14 @@ def _int8_weight_only(x, weight, scale, bias, prepared, out=None):
 
 
 def _widened_prepare(weight: Tensor, scale: Tensor):
-    """csrc/int8.c's form for int8_matmul_*: the weight packed by native.MATMUL_COLUMNS
-    output columns, zero past N, (ceil(N / columns), K, columns); the scales in float32."""
+    """csrc/int8.c's form for int8_matmul_*: the weight packed by the library's columns
+    (int8_matmul_columns), zero past N, (ceil(N / columns), K, columns); the scales in
+    float32. None where the library is not built (the kernel then runs the reference)."""
+    lib = _native()
+    if lib is None:
+        return None
     n, k = weight.shape
-    columns = native.MATMUL_COLUMNS
+    columns = getattr(lib, native.INT8_MATMUL_COLUMNS)()
     padded = weight.new_zeros((-(-n // columns) * columns, k))
     padded[:n] = weight
     return padded.view(-1, columns, k).transpose(1, 2).contiguous(), scale.float().contiguous()
@@ -727,7 +731,7 @@ def _int8_widened(x, weight, scale, bias, prepared, out=None):
     n, k = weight.shape
     takes = _native_rows(x) and x.device.type == "cpu" and x.shape[-1] == k
     takes &= bias is None or (bias.dtype == x.dtype and bias.shape == (n,))
-    if lib is None or not takes:
+    if lib is None or prepared is None or not takes:
         return _int8_dequant(x, weight, scale, bias, out=out)
     packed, scales = prepared
     rows = x.reshape(-1, k)

@@ -64,11 +64,11 @@ INT8_ROW_PASSES = ("unit_rows", "quantize_rows")  # x, M, K, x's row stride, y, 
 INT8_GRID_PASS = "quantize_rows"  # takes its grid's steps and zero (floats) before threads
 INT8_RESCALE = "rescale_rows"  # acc, M, N, amax, bias or NULL, out, out's row stride, threads
 INT8_DTYPES = ("f32", "bf16")
-# csrc/int8.c's product of rows and an int8 weight packed by MATMUL_COLUMNS output columns,
-# as <it>_<dtype> for each of INT8_DTYPES (x's, the bias's and out's): x, M, K, x's row
-# stride, packed, N, scale (float32), bias or NULL, out, out's row stride, threads.
+# csrc/int8.c's product of rows and an int8 weight packed by INT8_MATMUL_COLUMNS() output
+# columns, as <it>_<dtype> for each of INT8_DTYPES (x's, the bias's and out's): x, M, K,
+# x's row stride, packed, N, scale (float32), bias or NULL, out, out's row stride, threads.
 INT8_MATMUL = "int8_matmul"
-MATMUL_COLUMNS = 16  # as csrc/int8.c defines it
+INT8_MATMUL_COLUMNS = "int8_matmul_columns"
 MAX_KEYS = 4096
 MAX_HEAD_DIM = 256
 
@@ -183,6 +183,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.argtypes = [pointers, sizes, sizes, sizes, pointers, sizes, pointers, pointers]
         fn.argtypes += [pointers, sizes, ctypes.c_int]
         fn.restype = None
+    fn = getattr(lib, INT8_MATMUL_COLUMNS)
+    fn.argtypes, fn.restype = [], sizes
     return lib
 
 

@@ -114,9 +114,12 @@ RESCALE_ROWS(rescale_rows_bf16, uint16_t, from_bf16, to_bf16)
  * Each output is one float32 sum over k in order, one rounding per term (a fused
  * multiply-add), then its scale and bias in one more: the same operations for a row
  * whatever rows share the call, and on each path (AVX-512: 16 columns a register, 8 rows
- * a tile; AVX2: two registers of 8, 4 rows; else one column at a time), so every
- * path gives the same bytes (test_kernels builds each). */
+ * a tile; AVX2: two registers of 8, 4 rows; else plain C, one row), so every path gives
+ * the same bytes (test_kernels builds each). The packing's columns are decided here
+ * alone: kernels.py packs by int8_matmul_columns(). */
 #define MATMUL_COLUMNS 16
+
+int64_t int8_matmul_columns(void) { return MATMUL_COLUMNS; }
 
 /* A tile's row of float32 results r, as many as remain before N. */
 #define STORE_COLUMNS(o, r, left, STORE)                                                  \
