@@ -219,6 +219,47 @@ def test_a_fused_step_of_rows_at_their_own_positions_sums_as_each_row_alone(dtyp
     )
 
 
+@pytest.mark.parametrize("dtype,keys", FUSED_CASES, ids=lambda c: str(c))
+def test_rows_that_share_their_cross_caches_read_the_rows_they_name(dtype, keys):
+    """sources (DecodeCaches.sources): row b reads row sources[b]'s keys and values. Where
+    those equal its own (rows of one window) the output is, bit for bit, the call's
+    without them; where they do not, it is attention over the named rows' (so the C loop
+    reads where they point, not its own row), rows of one source in any order; and
+    through kernels.attention, which passes them to "fused" alone. Sources that name no
+    row of the call are refused before any C code reads them."""
+    native_built()
+    sources = (0, 1, 0, 3, 1, 0, 3)  # rows 2 and 5 read row 0's, 4 row 1's, 6 row 3's
+    b = len(sources)
+    q, k, v = qkv(b, 3, 1, 40, 16, dtype, seed=4)
+    if keys == "transposed":
+        k = k.mT.contiguous().mT
+    at = torch.tensor(sources)
+    same_k, same_v = k[at], v[at]  # each row holding its source's values
+    if keys == "transposed":
+        same_k = same_k.mT.contiguous().mT
+    assert torch.equal(
+        kernels._fused(q, same_k, same_v, None, False, sources),
+        kernels._fused(q, same_k, same_v, None, False),
+    )
+    out = kernels._fused(q, k, v, None, False, sources)  # rows' own values differ here
+    torch.testing.assert_close(out, reference(q, same_k, same_v, None, False).to(dtype))
+    assert not torch.equal(out, kernels._fused(q, k, v, None, False))
+    for row in range(b):  # each row as if alone, over its source's keys and values
+        s = sources[row]
+        alone = kernels._fused(q[row : row + 1], k[s : s + 1], v[s : s + 1], None, False)
+        assert torch.equal(out[row : row + 1], alone), row
+
+    class Plan:
+        def choice(self, *_):
+            return "fused"
+
+    through = kernels.attention(q, k, v, None, False, Plan(), sources)
+    assert torch.equal(through, out)
+    for wrong in [(0, 1, 0), (0, 1, 0, 3, 1, 0, 7), (0, 1, 0, 3, 1, 0, -1)]:
+        with pytest.raises(ValueError, match="sources"):
+            kernels._fused(q, k, v, None, False, wrong)
+
+
 def test_a_step_has_one_class_for_any_count_of_text_keys_masked_or_not(monkeypatch):
     """A row must run what it runs alone: a refilled step's keys are its longest row's and
     it has a mask, so neither the count of keys (up to the text's) nor the mask of a

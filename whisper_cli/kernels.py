@@ -46,6 +46,7 @@ writes anything.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import json
 import logging
@@ -249,17 +250,26 @@ def _fused_function(q, k, v, mask, causal) -> tuple[str, Tensor | None] | None:
     return None if name is None else (name, counts)
 
 
-def _fused(q, k, v, mask, causal):
+def _fused(q, k, v, mask, causal, sources: tuple[int, ...] | None = None):
     """One query over the keys and values read once, in float32 (bf16 widened as it is
     read) (csrc/attention.c): a decode step's attention without a float32 copy of its
     cache or a call per tile; a refilled step's mask taken as each row's key count, so a
     row sums what it sums unmasked. Blocked attention for any other call, and where the
-    library is absent."""
+    library is absent.
+
+    sources: row b's keys and values are row sources[b]'s (the same values: see
+    attention); the C loop reads those, rows of one source back to back, so that their
+    keys and values come from memory once."""
     lib = _native()
     function = _fused_function(q, k, v, mask, causal)
     if lib is None or function is None:
         return _blocked(q, k, v, mask, causal)
     name, counts = function
+    if sources is not None:  # checked here: the C loop reads where they point
+        b = q.shape[0]
+        if len(sources) != b or not all(0 <= s < b for s in sources):
+            raise ValueError(f"sources: a row of the {b} for each, not {sources}")
+        sources = (ctypes.c_int64 * b)(*sources)
     b, h, _, d = q.shape
     out = q.new_empty((b, 1, h, d)).transpose(1, 2)  # as _blocked's: heads merge as a view
     # torch.profiler sees no C call made through ctypes: under it, the call is a named
@@ -271,7 +281,7 @@ def _fused(q, k, v, mask, causal):
             b, h, k.shape[-2], d,
             native.strides(q, 2), native.strides(k, 4), native.strides(v, 3),
             native.strides(out, 2), None if counts is None else counts.data_ptr(),
-            d**-0.5, torch.get_num_threads(),
+            sources, d**-0.5, torch.get_num_threads(),
         )  # fmt: skip
     return out
 
@@ -812,11 +822,16 @@ def attention(
     mask: Tensor | None = None,
     causal: bool = False,
     plan: KernelPlan | None = None,
+    sources: tuple[int, ...] | None = None,
 ) -> Tensor:
     """softmax(q k^T / sqrt(D), masked) v: (B, H, T, D) x (B, H, S, D) -> (B, H, T, D).
 
     Same semantics as F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
     is_causal=causal) with a bool mask (True = attend); every query row must see a key.
+
+    sources: None, or for each row b the row whose keys and values equal b's (rows of one
+    window: DecodeCaches.sources). An implementation may read those instead of the row's
+    own (the fused one does); the result is the same.
     """
     if plan is None or torch.compiler.is_compiling():
         return _sdpa(q, k, v, mask, causal)
@@ -828,6 +843,8 @@ def attention(
     # implementation reads them fastest depends on it.
     keys = "transposed" if by_column(k) else "rows"
     choice = plan.choice("attention", q.dtype, h, t, k.shape[-2], d, kind, keys)
+    if sources is not None and choice == "fused":
+        return _fused(q, k, v, mask, causal, sources)
     return ATTENTION[choice](q, k, v, mask, causal)
 
 

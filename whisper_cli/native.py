@@ -166,8 +166,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in DECODE_ATTENTION:
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [_I64P] * 4
-        # The rows' key counts (int64 data, or None for all S), the scale, the threads.
-        fn.argtypes += [ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
+        # The rows' key counts (int64 data, or None for all S), the rows whose keys and
+        # values each reads (int64 data, or None for its own), the scale, the threads.
+        fn.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
         fn.restype = None
     pointers, sizes = ctypes.c_void_p, ctypes.c_int64
     for dtype in INT8_DTYPES:

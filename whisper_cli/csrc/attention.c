@@ -11,6 +11,13 @@
  * different positions, once a batch is refilled: the same sums, in the same order, as
  * the row's own unmasked step).
  *
+ * sources, where not NULL, holds for each batch row the row whose keys and values it
+ * reads (equal to its own: rows of one window, the same encoder output), and the loop
+ * then takes rows that read the same ones one after another, so that all but the first
+ * find them in the CPU's cache rather than in memory; the arithmetic is the same. (11
+ * rows of which 5 share, four layers of tiny.en's cross caches: 5.0-6.5 ms a step
+ * without, 3.3-3.5 with; 4.3-5.0 with the rows in order but row by row. AMD EPYC Zen 4.)
+ *
  * Strides are in elements: q and out (batch, head), k (batch, head, key, dim), v (batch,
  * head, key). The last dimension of q, v and out is contiguous; k is contiguous along
  * its dims (keys by rows) or along its keys (_kcols: keys by column, as the f32 model
@@ -24,20 +31,40 @@
 
 #include "floats.h"
 
+/* order[0..B): 0..B-1, or with sources, the rows sorted by source (stable: by row
+ * within one source). */
+static void row_order(int64_t B, const int64_t *sources, int64_t *order) {
+    for (int64_t b = 0; b < B; b++) order[b] = b;
+    if (!sources) return;
+    for (int64_t b = 1; b < B; b++) { /* insertion sort: B is a batch's rows */
+        const int64_t row = order[b];
+        int64_t j = b;
+        for (; j > 0 && sources[order[j - 1]] > sources[row]; j--) order[j] = order[j - 1];
+        order[j] = row;
+    }
+}
+
 /* The scores p[S] of one (b, h) are computed by SCORES; then softmax and the weighted
  * sum of the values, written to out. D <= 256 and S <= 4096 (native.py checks): the
  * scores and the float32 query live on the stack. */
 #define DECODE_ATTENTION(NAME, T, LOAD, STORE, SCORES)                                     \
     void NAME(const T *q, const T *k, const T *v, T *out, int64_t B, int64_t H, int64_t S, \
               int64_t D, const int64_t *qs, const int64_t *ks, const int64_t *vs,          \
-              const int64_t *os, const int64_t *counts, float scale, int threads) {        \
+              const int64_t *os, const int64_t *counts, const int64_t *sources,            \
+              float scale, int threads) {                                                  \
+        int64_t order[B]; /* with sources: the rows by their source */                     \
+        row_order(B, sources, order);                                                      \
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                  \
         for (int64_t i = 0; i < B * H; i++) {                                              \
-            const int64_t b = i / H, h = i % H;                                            \
-            const int64_t n = counts ? counts[b] : S; /* this row's keys */                \
+            /* Rows that share keys and values run head by head, one after another: the  \
+             * head's keys and values (S x D, twice) are still in the core's cache. */    \
+            const int64_t b = sources ? order[i % B] : i / H;                              \
+            const int64_t h = sources ? i / B : i % H;                                     \
+            const int64_t from = sources ? sources[b] : b; /* whose keys and values */     \
+            const int64_t n = counts ? counts[b] : S;      /* this row's keys */           \
             const T *qi = q + b * qs[0] + h * qs[1];                                       \
-            const T *ki = k + b * ks[0] + h * ks[1];                                       \
-            const T *vi = v + b * vs[0] + h * vs[1];                                       \
+            const T *ki = k + from * ks[0] + h * ks[1];                                    \
+            const T *vi = v + from * vs[0] + h * vs[1];                                    \
             float qf[D], acc[D], p[S];                                                     \
             for (int64_t d = 0; d < D; d++) qf[d] = LOAD(qi[d]) * scale;                   \
             SCORES(LOAD)                                                                   \
