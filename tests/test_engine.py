@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -405,6 +406,58 @@ def test_rows_dropped_in_place_decode_as_rows_never_dropped(monkeypatch):
         for layer, (k, v) in zip(loaded.model.decoder.layers, aligned.cross, strict=True):
             want_k, want_v = layer.encoder_attn.cross_kv(aligned.features)
             assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+def test_rows_of_one_window_read_its_cross_caches_once_and_decode_as_apart(monkeypatch):
+    """tiny.en on two real windows, each decoded at several temperatures in one batch (a
+    retry and the attempts decoded ahead of it, which the scheduler gives one encoder
+    output object): the step's cross-attention reads one row's caches for every row of a
+    window (DecodeCaches.sources, kept right as rows finish and are dropped), and each
+    row's tokens and log-probs are, exactly, those of a batch where every row has its own
+    copy of its window's encoder output; so too refilled two rows at a time (with the
+    whole batch's tokens; log-probs as test_a_refilled_run_decodes_each_row_as_batches_do
+    has them)."""
+    from whisper_cli import kernels
+
+    loaded = load_model(str(real_model("tiny.en")), F32)
+    jfk = load_audio(shared_clip("jfk.flac"))
+    left = load_audio(shared_clip("stereo_diarization.wav"), "left")
+    long = np.concatenate([left, jfk, left])
+    windows = [long[i * 240_000 : i * 240_000 + 480_000] for i in range(2)]
+    first = Engine(loaded, DecodeOptions()).run([WindowInput(w, language=None) for w in windows])
+    a, b = first.kept(0), first.kept(1)
+    silent = np.zeros(0, np.float32)
+    # Refilled two at a time, the first two rows (in this order: no speech map, no audio)
+    # share; a row of the other window then takes the place of the first that finishes.
+    attempts = [(a, 0.0, 0), (a, 0.4, 1), (b, 0.0, 0), (a, 0.8, 2), (b, 0.6, 3)]
+    shared = [WindowInput(silent, features=f, temperature=t, seed=s) for f, t, s in attempts]
+    apart = [replace(row, features=row.features.clone()) for row in shared]
+
+    seen: list[tuple[int, ...]] = []
+    real = kernels._fused
+
+    def fused(q, k, v, mask, causal, sources=None):
+        seen.append(sources)
+        return real(q, k, v, mask, causal, sources)
+
+    monkeypatch.setattr(kernels, "_fused", fused)
+
+    def run(rows, slots=None):
+        decoded = Engine(loaded, DecodeOptions()).run(rows, slots=slots).rows
+        return [(r.tokens, r.avg_logprob, r.no_speech_prob) for r in decoded]
+
+    together = run(shared)
+    assert seen[0] == (0, 0, 2, 0, 2)  # the step's first call, one per layer from there
+    assert len(seen) > 4 * 10 and all(s is not None for s in seen)
+    seen.clear()
+    separate = run(apart)
+    assert not seen  # no row shares: the rows' own caches, as before
+    assert together == separate
+    assert all(tokens for tokens, _, _ in together)
+    refilled = run(shared, slots=2)
+    assert seen and seen[0] == (0, 0)
+    assert refilled == run(apart, slots=2)
+    assert [tokens for tokens, _, _ in refilled] == [tokens for tokens, _, _ in separate]
 
 
 def test_the_guard_judges_a_refilled_row_at_its_own_token_counts(random_dirs, monkeypatch):

@@ -165,6 +165,9 @@ class _Run:
     rows: list[WindowInput]
     features: torch.Tensor  # (N, S, C) the caller's and the padding rows' encoder output
     feature_of: list[int]  # per run row: its row of `features`
+    # Per run row: the first run row of its window (the same encoder output: one
+    # WindowInput.features object, or a retry's row), whose cross K/V it may read.
+    window_of: list[int]
     languages: list[str | None]
     maps: bool  # the rules read the rows' speech maps
     sample: bool  # some row draws (the step's static argument)
@@ -194,6 +197,19 @@ class _Run:
     def output(self) -> list[int]:
         """The run rows that are results, in order: the caller's, then the retries."""
         return [*range(self.real), *range(self.real + self.padding, len(self.rows))]
+
+
+def _windows_of(rows: Sequence[WindowInput], n: int) -> list[int]:
+    """For each of n run rows (rows, then padding), the first row of its window: rows
+    given one encoder output object (a window's attempts, as the scheduler passes
+    them) are one window; every other row is its own."""
+    first: dict[int, int] = {}
+    return [
+        first.setdefault(id(rows[r].features), r)
+        if r < len(rows) and rows[r].features is not None
+        else r
+        for r in range(n)
+    ]
 
 
 def _speech_amount(row: WindowInput) -> int:
@@ -372,6 +388,7 @@ class Engine:
             rows=[*rows, *[silence] * pad],
             features=features,
             feature_of=list(range(n + pad)),
+            window_of=_windows_of(rows, n + pad),
             languages=[*languages, *[languages[0]] * pad],
             maps=maps,
             sample=sample,
@@ -577,6 +594,7 @@ class Engine:
         run.slot_rows = [*range(width), *range(n, n + b - width)]
         run.slots = torch.tensor(run.slot_rows, device=self.model.device)
         run.starts = [0] * b
+        self._share(caches, run)
         # Dynamo's counters only where it runs (importing it costs an eager run time).
         graphs_before = _dynamo_counts() if self.compile else None
         next_report = time.perf_counter() if on_rows is not None else None
@@ -655,6 +673,7 @@ class Engine:
             again = replace(run.rows[k], temperature=retry.temperature, seed=retry.seed)
             run.rows.append(again)
             run.feature_of.append(run.feature_of[k])
+            run.window_of.append(run.window_of[k])
             run.languages.append(run.languages[k])
             run.no_speech.append(0.0)  # its own prefill's, once it has a place
             run.sample |= again.temperature > 0
@@ -699,6 +718,7 @@ class Engine:
         run.slot_rows = [run.slot_rows[k] for k in kept]
         run.slots = run.slots[keep]
         run.idle = 0
+        self._share(caches, run)
         return state.select(keep), caches
 
     def _refill(self, state: DecodeState, caches: DecodeCaches, run: _Run, i: int) -> None:
@@ -729,6 +749,7 @@ class Engine:
         run.idle -= len(new)
         run.refilled = True
         self.counters.refills += len(new)
+        self._share(caches, run)
 
     def _report_rows(
         self, state: DecodeState, rows: torch.Tensor, n: int, on_rows: Callable
@@ -746,6 +767,18 @@ class Engine:
         return sum(1 for finished in read[1] if not finished)
 
     # -- internals -------------------------------------------------------------------
+
+    def _share(self, caches: DecodeCaches, run: _Run) -> None:
+        """Tell the caches which batch rows hold one window's cross K/V (the same values:
+        each row's projection is its own, kernels.py), so that the eager step reads them
+        from memory once for all of them (DecodeCaches.sources): a window's retry and
+        the attempts decoded ahead of it share its encoder output. The compiled step
+        takes no such argument (a tuple of rows would be a graph per batch)."""
+        if self.compile:
+            return
+        first: dict[int, int] = {}
+        sources = tuple(first.setdefault(run.window_of[j], s) for s, j in enumerate(run.slot_rows))
+        caches.sources = None if len(first) == len(sources) else sources
 
     def _caches(self, features: torch.Tensor) -> DecodeCaches:
         """The caches of a batch: made per batch, or (compiled) refilled in place."""

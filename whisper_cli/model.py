@@ -95,10 +95,16 @@ class KVCache:
 class DecodeCaches:
     """The KV caches of one decode: per decoder layer, self-attention (B, H, L, D) and
     cross-attention (B, H, S, D) (its keys maybe stored transposed, see
-    cross_keys_transposed), in the weights' dtype."""
+    cross_keys_transposed), in the weights' dtype.
+
+    sources: None, or for each row the first row whose cross K/V are the same values
+    (rows of one window: a retry and the attempts decoded ahead of it); the cross-attention
+    may read those (kernels.attention). Whoever changes which window a row holds sets it
+    anew; a select or compact returns caches without it."""
 
     self_attn: list[KVCache]
     cross: list[KVCache]
+    sources: tuple[int, ...] | None = None
 
     @property
     def rows(self) -> int:
@@ -231,8 +237,9 @@ class Attention(nn.Module):
         v: torch.Tensor,
         mask: torch.Tensor | None = None,
         causal: bool = False,
+        sources: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
-        y = kernels.attention(q, k, v, mask, causal, self.plan)  # (B, H, T, D)
+        y = kernels.attention(q, k, v, mask, causal, self.plan, sources)  # (B, H, T, D)
         b, h, t, d = y.shape
         return self.out_proj(y.transpose(1, 2).reshape(b, t, h * d))
 
@@ -258,10 +265,15 @@ class Attention(nn.Module):
         return self.attend(q, k, v, mask if positions.dim() == 1 else mask[:, None])
 
     def forward_cross(
-        self, x: torch.Tensor, kv: KV, heads: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        kv: KV,
+        heads: torch.Tensor | None = None,
+        sources: tuple[int, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Cross-attention over the encoder's K/V (projected once per batch), and the
-        scores of the given heads (word timing) or None.
+        scores of the given heads (word timing) or None; sources: the rows whose K/V each
+        row's equal (DecodeCaches.sources).
 
         scaled_dot_product_attention returns no weights, so they are computed explicitly,
         for these heads only, as openai-whisper does: (q * D^-1/4) @ (k * D^-1/4)^T, in
@@ -273,7 +285,7 @@ class Attention(nn.Module):
         if heads is not None:
             scale = q.shape[-1] ** -0.25
             scores = (q[:, heads] * scale) @ (k[:, heads] * scale).transpose(-1, -2)
-        return self.attend(q, k, v), scores
+        return self.attend(q, k, v, sources=sources), scores
 
     def cross_kv(self, audio: torch.Tensor) -> KV:
         """(B, S, C) encoder output -> its cross-attention K and V, (B, H, S, D) each.
@@ -330,11 +342,13 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         extent: Extent,
         heads: torch.Tensor | None = None,
+        sources: tuple[int, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, T, C) -> (B, T, C), and the cross-attention scores of `heads` (see
-        Attention.forward_cross)."""
+        Attention.forward_cross; sources: DecodeCaches.sources)."""
         x = x + self.self_attn.forward_self(self.self_attn_layer_norm(x), cache, positions, extent)
-        y, scores = self.encoder_attn.forward_cross(self.encoder_attn_layer_norm(x), cross, heads)
+        normed = self.encoder_attn_layer_norm(x)
+        y, scores = self.encoder_attn.forward_cross(normed, cross, heads, sources)
         x = x + y
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x)))), scores
 
@@ -453,7 +467,7 @@ class Decoder(nn.Module):
             zip(self.layers, caches.self_attn, caches.cross, strict=True)
         ):
             x, layer_scores = layer(
-                x, cache, (cross.k, cross.v), positions, extent, heads.get(index)
+                x, cache, (cross.k, cross.v), positions, extent, heads.get(index), caches.sources
             )
             if layer_scores is not None:
                 scores.append(layer_scores)
