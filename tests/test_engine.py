@@ -26,7 +26,7 @@ from whisper_cli.dtypes import resolve_policy
 from whisper_cli.engine import Engine, Reply, Retry, WindowInput
 from whisper_cli.features import log_mel
 from whisper_cli.loading import load_model
-from whisper_cli.model import FIXED, Extent
+from whisper_cli.model import FIXED, Attention, Extent
 
 transformers = pytest.importorskip("transformers")
 
@@ -412,11 +412,11 @@ def test_rows_of_one_window_read_its_cross_caches_once_and_decode_as_apart(monke
     """tiny.en on two real windows, each decoded at several temperatures in one batch (a
     retry and the attempts decoded ahead of it, which the scheduler gives one encoder
     output object): the step's cross-attention reads one row's caches for every row of a
-    window (DecodeCaches.sources, kept right as rows finish and are dropped), and each
-    row's tokens and log-probs are, exactly, those of a batch where every row has its own
-    copy of its window's encoder output; so too refilled two rows at a time (with the
-    whole batch's tokens; log-probs as test_a_refilled_run_decodes_each_row_as_batches_do
-    has them)."""
+    window (DecodeCaches.sources, kept right as rows finish and are dropped), whose cross
+    K/V are projected once for all of them; and each row's tokens and log-probs are,
+    exactly, those of a batch where every row has its own copy of its window's encoder
+    output; so too refilled two rows at a time (with the whole batch's tokens; log-probs
+    as test_a_refilled_run_decodes_each_row_as_batches_do has them)."""
     from whisper_cli import kernels
 
     loaded = load_model(str(real_model("tiny.en")), F32)
@@ -441,6 +441,14 @@ def test_rows_of_one_window_read_its_cross_caches_once_and_decode_as_apart(monke
         return real(q, k, v, mask, causal, sources)
 
     monkeypatch.setattr(kernels, "_fused", fused)
+    projected: list[int] = []  # the rows each cross K/V projection takes
+    real_kv = Attention.cross_kv
+    monkeypatch.setattr(
+        Attention,
+        "cross_kv",
+        lambda self, audio: projected.append(len(audio)) or real_kv(self, audio),
+    )
+    layers = len(loaded.model.decoder.layers)
 
     def run(rows, slots=None):
         decoded = Engine(loaded, DecodeOptions()).run(rows, slots=slots).rows
@@ -449,9 +457,12 @@ def test_rows_of_one_window_read_its_cross_caches_once_and_decode_as_apart(monke
     together = run(shared)
     assert seen[0] == (0, 0, 2, 0, 2)  # the step's first call, one per layer from there
     assert len(seen) > 4 * 10 and all(s is not None for s in seen)
+    assert projected == [2] * layers  # each window's cross K/V projected once
     seen.clear()
+    projected.clear()
     separate = run(apart)
     assert not seen  # no row shares: the rows' own caches, as before
+    assert projected == [5] * layers
     assert together == separate
     assert all(tokens for tokens, _, _ in together)
     refilled = run(shared, slots=2)

@@ -373,7 +373,8 @@ class Engine:
         pad = b - width
         features = self._encode(rows, pad, b)
         started = self._start()
-        caches = self._caches(features[:b])
+        window_of = _windows_of(rows, n + pad)
+        caches = self._caches(features[:b], window_of[:b])
         languages = self._languages(rows, features, caches, pick_languages)
         silence = WindowInput(np.zeros(0, np.float32))
         padded = [*rows[:width], *[silence] * pad]
@@ -388,7 +389,7 @@ class Engine:
             rows=[*rows, *[silence] * pad],
             features=features,
             feature_of=list(range(n + pad)),
-            window_of=_windows_of(rows, n + pad),
+            window_of=window_of,
             languages=[*languages, *[languages[0]] * pad],
             maps=maps,
             sample=sample,
@@ -780,8 +781,9 @@ class Engine:
         sources = tuple(first.setdefault(run.window_of[j], s) for s, j in enumerate(run.slot_rows))
         caches.sources = None if len(first) == len(sources) else sources
 
-    def _caches(self, features: torch.Tensor) -> DecodeCaches:
-        """The caches of a batch: made per batch, or (compiled) refilled in place."""
+    def _caches(self, features: torch.Tensor, same: list[int] | None = None) -> DecodeCaches:
+        """The caches of a batch: made per batch (each window's cross K/V projected once:
+        `same`, as Decoder.new_caches takes it), or (compiled) refilled in place."""
         decoder = self.model.decoder
         if self.compile and self._static is not None:
             static = self._static[1]
@@ -789,7 +791,7 @@ class Engine:
                 decoder.fill_caches(static, features)
                 return static
             self._static = None  # a new batch shape: new buffers (and a new graph)
-        return decoder.new_caches(features, self.cache_length)
+        return decoder.new_caches(features, self.cache_length, same=same)
 
     def _static_state(self, state: DecodeState, caches: DecodeCaches) -> DecodeState:
         """The compiled step's state buffers, holding `state`'s values."""

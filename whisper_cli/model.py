@@ -10,7 +10,7 @@ H heads, D head dim, L cache length (prompt + max new tokens), V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -414,12 +414,21 @@ class Decoder(nn.Module):
         self.proj_out: nn.Module | None = None
 
     def new_caches(
-        self, audio: torch.Tensor, length: int, cross: list[KV] | None = None
+        self,
+        audio: torch.Tensor,
+        length: int,
+        cross: list[KV] | None = None,
+        same: Sequence[int] | None = None,
     ) -> DecodeCaches:
         """Caches for decoding `audio` (B, S, C): self-attention slots for `length`
         positions (zeros; a slot is read only once written) and every layer's cross K/V,
         projected once (or `cross`, projected before from the same audio), in the
-        weights' dtype and device."""
+        weights' dtype and device.
+
+        same: for each row, the first row whose audio is the same values (a window's
+        attempts); the cross K/V are then projected for those first rows only and
+        copied to the others (each row's projection is its own, so they are the values
+        its own projection would give)."""
         b = audio.shape[0]
         w = self.embed_tokens.weight
         shape = (b, self.heads, length, w.shape[1] // self.heads)
@@ -427,7 +436,13 @@ class Decoder(nn.Module):
             KVCache(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(len(self.layers))
         ]
         if cross is None:
-            cross = [layer.encoder_attn.cross_kv(audio) for layer in self.layers]
+            firsts = sorted(set(same)) if same is not None else []
+            if len(firsts) in (0, b):
+                cross = [layer.encoder_attn.cross_kv(audio) for layer in self.layers]
+            else:
+                projected = [layer.encoder_attn.cross_kv(audio[firsts]) for layer in self.layers]
+                at = torch.tensor([firsts.index(r) for r in same], device=audio.device)
+                cross = [(_rows_of(k, at), _rows_of(v, at)) for k, v in projected]
         return DecodeCaches(self_attn, [KVCache(k, v) for k, v in cross])
 
     def fill_caches(self, caches: DecodeCaches, audio: torch.Tensor) -> None:
