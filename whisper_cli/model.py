@@ -439,10 +439,13 @@ class Decoder(nn.Module):
             firsts = sorted(set(same)) if same is not None else []
             if len(firsts) in (0, b):
                 cross = [layer.encoder_attn.cross_kv(audio) for layer in self.layers]
-            else:
-                projected = [layer.encoder_attn.cross_kv(audio[firsts]) for layer in self.layers]
+            else:  # a layer at a time: one layer's projection alive beside the copies
                 at = torch.tensor([firsts.index(r) for r in same], device=audio.device)
-                cross = [(_rows_of(k, at), _rows_of(v, at)) for k, v in projected]
+                distinct = audio[firsts]
+                cross = []
+                for layer in self.layers:
+                    k, v = layer.encoder_attn.cross_kv(distinct)
+                    cross.append((_rows_of(k, at), _rows_of(v, at)))
         return DecodeCaches(self_attn, [KVCache(k, v) for k, v in cross])
 
     def fill_caches(self, caches: DecodeCaches, audio: torch.Tensor) -> None:
