@@ -111,7 +111,9 @@ def test_every_tensor_of_a_run_has_the_chosen_dtype(
     transcriber = Transcriber(loaded, options)
     caches = []
     new_caches = loaded.model.decoder.new_caches
-    loaded.model.decoder.new_caches = lambda *a: caches.append(new_caches(*a)) or caches[-1]
+    loaded.model.decoder.new_caches = lambda *a, **k: (
+        caches.append(new_caches(*a, **k)) or caches[-1]
+    )
     recorder.expected = policy.dtype
     with recorder:
         result = transcriber.transcribe(str(path))
