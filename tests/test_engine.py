@@ -415,8 +415,10 @@ def test_rows_of_one_window_read_its_cross_caches_once_and_decode_as_apart(monke
     window (DecodeCaches.sources, kept right as rows finish and are dropped), whose cross
     K/V are projected once for all of them; and each row's tokens and log-probs are,
     exactly, those of a batch where every row has its own copy of its window's encoder
-    output; so too refilled two rows at a time (with the whole batch's tokens; log-probs
-    as test_a_refilled_run_decodes_each_row_as_batches_do has them)."""
+    output; so too refilled two rows at a time, where a row that takes a finished row's
+    place reads its own projection's K/V, not one made at the start (with the whole
+    batch's tokens; log-probs as test_a_refilled_run_decodes_each_row_as_batches_do has
+    them). A `same` that names no row is refused."""
     from whisper_cli import kernels
 
     loaded = load_model(str(real_model("tiny.en")), F32)
@@ -456,7 +458,8 @@ def test_rows_of_one_window_read_its_cross_caches_once_and_decode_as_apart(monke
 
     together = run(shared)
     assert seen[0] == (0, 0, 2, 0, 2)  # the step's first call, one per layer from there
-    assert len(seen) > 4 * 10 and all(s is not None for s in seen)
+    assert len(seen) > 4 * 10
+    assert {len(s) for s in seen} > {5}  # still shared once finished rows were dropped
     assert projected == [2] * layers  # each window's cross K/V projected once
     seen.clear()
     projected.clear()
@@ -465,6 +468,8 @@ def test_rows_of_one_window_read_its_cross_caches_once_and_decode_as_apart(monke
     assert projected == [5] * layers
     assert together == separate
     assert all(tokens for tokens, _, _ in together)
+    with torch.inference_mode(), pytest.raises(ValueError, match="same"):
+        loaded.model.decoder.new_caches(first.features, 4, same=[0])
     refilled = run(shared, slots=2)
     assert seen and seen[0] == (0, 0)
     assert refilled == run(apart, slots=2)

@@ -166,7 +166,8 @@ class _Run:
     features: torch.Tensor  # (N, S, C) the caller's and the padding rows' encoder output
     feature_of: list[int]  # per run row: its row of `features`
     # Per run row: the first run row of its window (the same encoder output: one
-    # WindowInput.features object, or a retry's row), whose cross K/V it may read.
+    # WindowInput.features object, or a retry's row); a batch's rows of one window get
+    # copies of one projection of its cross K/V (see slot_kv).
     window_of: list[int]
     languages: list[str | None]
     maps: bool  # the rules read the rows' speech maps
@@ -183,6 +184,10 @@ class _Run:
     # batch row's first token (at step i its index is i - start).
     slots: torch.Tensor | None = None
     slot_rows: list[int] = field(default_factory=list)
+    # Each batch row's cross K/V: which projection made them (0 at the start, k at the k-th
+    # refill) and of which window. Rows of one key hold copies of one projection's rows.
+    slot_kv: list[tuple[int, int]] = field(default_factory=list)
+    kv_made: int = 0  # projections made so far
     idle: int = 0
     starts: list[int] = field(default_factory=list)
 
@@ -593,6 +598,7 @@ class Engine:
         b, n = caches.rows, len(run.rows)
         width = n - len(run.pending)
         run.slot_rows = [*range(width), *range(n, n + b - width)]
+        run.slot_kv = [(0, run.window_of[j]) for j in run.slot_rows]
         run.slots = torch.tensor(run.slot_rows, device=self.model.device)
         run.starts = [0] * b
         self._share(caches, run)
@@ -717,6 +723,7 @@ class Engine:
         kept = keep.tolist()
         run.starts = [run.starts[k] for k in kept]
         run.slot_rows = [run.slot_rows[k] for k in kept]
+        run.slot_kv = [run.slot_kv[k] for k in kept]
         run.slots = run.slots[keep]
         run.idle = 0
         self._share(caches, run)
@@ -730,7 +737,10 @@ class Engine:
         new = [run.pending.popleft() for _ in range(len(slots))]
         fresh = [run.rows[j] for j in new]
         features = run.features[[run.feature_of[j] for j in new]]
-        own = self.model.decoder.new_caches(features, self.prompt_length)
+        windows = [run.window_of[j] for j in new]
+        same = [windows.index(w) for w in windows]
+        own = self.model.decoder.new_caches(features, self.prompt_length, same=same)
+        run.kv_made += 1
         prompted = self._start_state(fresh, run.maps)
         languages = [run.languages[j] for j in new]
         for j, p in zip(new, self._prefill(prompted, own, languages, run.sample), strict=True):
@@ -747,6 +757,7 @@ class Engine:
         for slot, j in zip(slots.tolist(), new, strict=True):
             run.starts[slot] = i - 1  # its first token came from its prefill
             run.slot_rows[slot] = j
+            run.slot_kv[slot] = (run.kv_made, run.window_of[j])
         run.idle -= len(new)
         run.refilled = True
         self.counters.refills += len(new)
@@ -770,15 +781,16 @@ class Engine:
     # -- internals -------------------------------------------------------------------
 
     def _share(self, caches: DecodeCaches, run: _Run) -> None:
-        """Tell the caches which batch rows hold one window's cross K/V (the same values:
-        each row's projection is its own, kernels.py), so that the eager step reads them
-        from memory once for all of them (DecodeCaches.sources): a window's retry and
-        the attempts decoded ahead of it share its encoder output. The compiled step
-        takes no such argument (a tuple of rows would be a graph per batch)."""
+        """Tell the caches which batch rows hold copies of one projection of one window's
+        cross K/V (run.slot_kv: a window's retry and the attempts decoded ahead of it,
+        made in one new_caches call), so that the eager step reads them from memory once
+        for all of them (DecodeCaches.sources): the same bytes, whatever the GEMM's
+        rounding. The compiled step takes no such argument (a tuple of rows would be a
+        graph per batch)."""
         if self.compile:
             return
-        first: dict[int, int] = {}
-        sources = tuple(first.setdefault(run.window_of[j], s) for s, j in enumerate(run.slot_rows))
+        first: dict[tuple[int, int], int] = {}
+        sources = tuple(first.setdefault(kv, s) for s, kv in enumerate(run.slot_kv))
         caches.sources = None if len(first) == len(sources) else sources
 
     def _caches(self, features: torch.Tensor, same: list[int] | None = None) -> DecodeCaches:

@@ -427,14 +427,16 @@ class Decoder(nn.Module):
 
         same: for each row, the first row whose audio is the same values (a window's
         attempts); the cross K/V are then projected for those first rows only and
-        copied to the others (each row's projection is its own, so they are the values
-        its own projection would give)."""
+        copied to the others: rows of one window hold the same bytes (what
+        DecodeCaches.sources counts on)."""
         b = audio.shape[0]
         w = self.embed_tokens.weight
         shape = (b, self.heads, length, w.shape[1] // self.heads)
         self_attn = [
             KVCache(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(len(self.layers))
         ]
+        if same is not None and (len(same) != b or not all(0 <= r < b for r in same)):
+            raise ValueError(f"same: a row of the {b} for each row, not {same}")
         if cross is None:
             firsts = sorted(set(same)) if same is not None else []
             if len(firsts) in (0, b):
