@@ -2,7 +2,8 @@
 
     OMP_WAIT_POLICY=PASSIVE python scripts/kernel_timings.py [--models tiny.en,base,large-v3]
         [--dtypes f32,bf16] [--cache]
-        [--only decode-cross,decode-self,encoder,logits,linear-encoder,linear-decode,conv]
+        [--only decode-cross,decode-shared,decode-self,encoder,logits,linear-encoder,
+                linear-decode,conv]
 
 For each model, dtype and kernel, every implementation is timed by the kernel plan's own
 protocol (kernels.time_candidates: one warm-up each, then calls in turn for at least
@@ -10,7 +11,10 @@ protocol (kernels.time_candidates: one warm-up each, then calls in turn for at l
 with that time and a `*`), then a plan made for that call picks as a load would (its own
 timing of the shape class, on a fresh cache file unless --cache, which uses and fills the
 real one).
-Shapes: decode cross-attention B 16 x 1 query x 1500 keys, decode self-attention over
+Shapes: decode cross-attention B 16 x 1 query x 1500 keys; the same with SHARED of the 16
+rows one window's attempts (the fused kernel reading their keys and values once, as the
+engine has it do, against each row its own; keys stored as the model stores them), from
+the C library; decode self-attention over
 240 cache slots, the encoder's self-attention 1500 x 1500 per window (B 1; a batch of 16
 windows costs 16x), the tied vocabulary projection at M 16 (one token of 16 rows),
 V 51865, the MLP's first layer (C -> 4C) at one window's 1536 rows and at one token of
@@ -32,12 +36,14 @@ from pathlib import Path
 import torch
 
 from whisper_cli import kernels
+from whisper_cli.model import cross_keys_transposed
 
 # name: (d_model, heads); head dim 64 in all Whisper sizes.
 MODELS = {"tiny.en": (384, 6), "base": (512, 8), "small": (768, 12), "large-v3": (1280, 20)}
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 KERNELS = (
     "decode-cross",
+    "decode-shared",
     "decode-self",
     "encoder",
     "logits",
@@ -46,6 +52,7 @@ KERNELS = (
     "conv",
 )
 VOCAB, BATCH, FRAMES, SELF_LEN, HEAD_DIM = 51865, 16, 1500, 240, 64
+SHARED = 6  # rows of one window in decode-shared: a window's first attempt and five retries
 
 
 def cpu_flags() -> str:
@@ -78,6 +85,28 @@ def attention_case(kernel: str, heads: int, dtype: torch.dtype):
     shape = f"B{b} H{heads} T{t} S{s}"
     call = (heads, t, s, HEAD_DIM, "none")
     return impls, (lambda: planned("attention", dtype, call)), rate, shape, "sdpa"
+
+
+def shared_case(heads: int, dtype: torch.dtype):
+    """decode-shared: rows 0..SHARED-1 hold one window's keys and values (copies, as the
+    caches hold them), the rest their own; "fused" reads each row's, "fused, shared" the
+    first row's for the window's (DecodeCaches.sources)."""
+    b, s = BATCH, FRAMES
+    q = torch.randn(b, 1, heads, HEAD_DIM).transpose(1, 2).to(dtype)
+    k = torch.randn(b, heads, s, HEAD_DIM).to(dtype)
+    v = torch.randn(b, heads, s, HEAD_DIM).to(dtype)
+    k[1:SHARED], v[1:SHARED] = k[0], v[0]
+    if cross_keys_transposed(dtype, torch.device("cpu")):
+        k = k.mT.contiguous().mT
+    sources = (0,) * SHARED + tuple(range(SHARED, b))
+    fused = kernels._fused
+    impls = {
+        "fused": lambda: fused(q, k, v, None, False),
+        "fused, shared": lambda: fused(q, k, v, None, False, sources),
+    }
+    rate = (2 * k.numel() * k.element_size(), "GB/s")  # as if every row's were read
+    shape = f"B{b} ({SHARED} one window's) H{heads} S{s}"
+    return impls, (lambda: "fused, shared"), rate, shape, "fused"
 
 
 def logits_case(d_model: int, dtype: torch.dtype):
@@ -172,14 +201,17 @@ def main(argv: list[str] | None = None) -> int:
                         case = linear_case(d_model, DTYPES[dname], rows)
                     elif kernel == "conv":
                         case = conv_case(d_model, DTYPES[dname])
+                    elif kernel == "decode-shared":
+                        case = shared_case(heads, DTYPES[dname])
                     else:
                         case = attention_case(kernel, heads, DTYPES[dname])
                     print(f"| {kernel} | {model} | {dname} | {row(case, args.reps)}", flush=True)
     print(
         f"\n{time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at end. "
         "`*`: one warm-up call only (4x slower than the best warm-up). ref/pick: the "
-        "reference's time (sdpa, `@`, F.linear, F.conv1d) over the pick's, in this table's "
-        "own timing."
+        "reference's time (sdpa, `@`, F.linear, F.conv1d; for decode-shared, fused over "
+        "every row's own) over the pick's (decode-shared: what the engine runs), in this "
+        "table's own timing."
     )
     return 0
 
