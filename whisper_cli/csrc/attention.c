@@ -15,8 +15,9 @@
  * reads (equal to its own: rows of one window, the same encoder output), and the loop
  * then takes rows that read the same ones one after another, so that all but the first
  * find them in the CPU's cache rather than in memory; the arithmetic is the same. (11
- * rows of which 5 share, four layers of tiny.en's cross caches: 5.0-6.5 ms a step
- * without, 3.3-3.5 with; 4.3-5.0 with the rows in order but row by row. AMD EPYC Zen 4.)
+ * rows of which 5 share, four layers of tiny.en's cross caches, AMD EPYC Zen 4: with
+ * sources 0.5-0.8 of the time without, most runs 0.65-0.68, where that took 4.6-6.9 ms;
+ * the rows sorted but taken row by row, 0.70-0.87.)
  *
  * Strides are in elements: q and out (batch, head), k (batch, head, key, dim), v (batch,
  * head, key). The last dimension of q, v and out is contiguous; k is contiguous along
