@@ -240,7 +240,7 @@ def test_compiled_step_inputs_have_fixed_addresses_on_cuda(random_dirs, monkeypa
         )
         engine._static_state(state, caches)
     rules = engine.rules.tensors()
-    assert len(rules) == 2  # suppress (also at a first token), ts_index
+    assert len(rules) == 3  # never, first_suppress, ts_index
     state_tensors = [t for t in vars(state).values() if isinstance(t, torch.Tensor)]
     assert len(state_tensors) >= 7
     inputs = [*rules, *caches.tensors(), *state_tensors]
@@ -610,3 +610,40 @@ def test_a_batchs_log_mel_is_each_rows_own_whatever_the_rows_per_call(monkeypatc
         monkeypatch.setattr(features, "MEL_ROWS", rows_per_call)
         got = features.batch_log_mel(clips, 9, 80, torch.device("cpu"))
         assert got.shape == (9, 80, 3000) and torch.equal(got, want), rows_per_call
+
+
+@pytest.mark.parametrize("timestamps", [False, True])
+def test_the_rules_suppress_the_checkpoints_tokens_at_a_step_and_at_a_first_token(
+    tiny_en, timestamps
+):
+    """A step fills exactly the never-sampled columns (the generation config's
+    suppress_tokens, and <|notimestamps|> with timestamps) of the caller's logits, in
+    place; a first token also the begin ones and, with timestamps, every text token and
+    the timestamps past the initial limit. Every other logit keeps its value."""
+    from whisper_cli.rules import Rules, apply_rules
+
+    gen, special = tiny_en.generation, tiny_en.tokenizer.special
+    rules = Rules.build(tiny_en, timestamps)
+    vocab = tiny_en.config.vocab_size
+    never = set(gen.suppress_tokens) | ({special.no_timestamps} if timestamps else set())
+    first = never | set(gen.begin_suppress_tokens)
+    if timestamps:
+        last = special.timestamp_begin + gen.max_initial_timestamp_index
+        first |= set(range(special.timestamp_begin)) | set(range(last + 1, vocab))
+    assert len(never) > 50 and never < first < set(range(vocab))
+    b = 3
+    # Rows at their 5th token, after text: every timestamp rule leaves the text alone.
+    state = [torch.full((b,), 4), torch.full((b,), 7), torch.full((b,), 7), torch.full((b,), -1)]
+    for first_token, banned in ((False, never), (True, first)):
+        index = torch.zeros(b, dtype=torch.long) if first_token else state[0]
+        logits = torch.randn(b, vocab)
+        logits[:, special.timestamp_begin :] -= 30  # text likelier than any timestamp
+        before = logits.clone()
+        out = apply_rules(rules, logits, index, *state[1:], None, first=first_token)
+        assert out is logits  # in place
+        cut = sorted(banned)
+        assert (out[:, cut] == float("-inf")).all()
+        kept = [
+            t for t in range(special.timestamp_begin if timestamps else vocab) if t not in banned
+        ]
+        assert torch.equal(out[:, kept], before[:, kept])

@@ -282,8 +282,10 @@ def _rules(skip):
 
     n_ts, ts_begin = 1501, 100
     vocab = ts_begin + n_ts
-    never = torch.zeros(2, vocab, dtype=torch.bool)  # suppressed: none, also at a first token
-    return Rules(never, torch.arange(n_ts), 50, ts_begin, True, skip)
+    never = torch.zeros(0, dtype=torch.long)  # suppressed: none, also at a first token
+    return Rules(
+        never, torch.zeros(vocab, dtype=torch.bool), torch.arange(n_ts), 50, ts_begin, True, skip
+    )
 
 
 def _speech_table(spans: list[tuple[float, float]]) -> torch.Tensor:

@@ -236,9 +236,13 @@ def step(
     choose(rules, state, logits[:, -1], sample)
 
 
-def choose(rules: Rules, state: DecodeState, logits: torch.Tensor, sample: bool) -> None:
-    """From a step's (B, V) logits: apply the rules, choose each row's token (argmax, or a
-    draw at its temperature when `sample`), add its log-prob, and update the state."""
+def choose(
+    rules: Rules, state: DecodeState, logits: torch.Tensor, sample: bool, first: bool = False
+) -> None:
+    """From a step's (B, V) logits (the caller's own: the rules fill them in place): apply
+    the rules, choose each row's token (argmax, or a draw at its temperature when
+    `sample`), add its log-prob, and update the state. first: every row chooses its first
+    token (the prompt's pass; a step never does)."""
     finished = state.finished
     # Where each row writes: its index, or the spare column once finished.  (B, 1)
     at = torch.where(finished, state.max_new, state.index)[:, None]
@@ -258,6 +262,7 @@ def choose(rules: Rules, state: DecodeState, logits: torch.Tensor, sample: bool)
         state.speech_after,
         state.speech_before,
         text_run,
+        first,
     )
     greedy = first_argmax(logits)
     if sample:

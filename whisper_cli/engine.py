@@ -576,7 +576,7 @@ class Engine:
         self.counters.prefills += 1
         sot = prompts[0].index(self.special.sot)
         no_speech = f32_log_softmax(logits[:, sot])[:, self.special.no_speech].exp()
-        decoding.choose(self.rules, state, logits[:, -1], sample)
+        decoding.choose(self.rules, state, logits[:, -1], sample, first=True)
         return no_speech.tolist()
 
     def _loop(
