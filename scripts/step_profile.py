@@ -61,7 +61,7 @@ _LINEAR = ("mm", "addmm", "linear", "qlinear", "linear_dynamic", "int8pack", "mk
 _RULES = (
     "masked_fill", "where", "argmax", "amax", "exp", "logsumexp", "sub", "gather",
     "log_softmax", "cumsum", "eq", "ge", "lt", "gt", "le", "logical", "any", "all",
-    "clamp", "sum", "max", "lerp", "ne", "bitwise", "rsub", "div",
+    "clamp", "sum", "max", "lerp", "ne", "bitwise", "rsub", "div", "index_fill",
 )  # fmt: skip
 _CACHES = ("index_copy", "index_select", "index_put", "copy_", "clone", "cat", "stack")
 _NORMS = ("layer_norm", "gelu", "add", "mul")  # matched anywhere in the name

@@ -575,6 +575,8 @@ class Engine:
         logits = self.model.decoder(tokens, torch.arange(t0, device=device), caches, Extent(t0))
         self.counters.prefills += 1
         sot = prompts[0].index(self.special.sot)
+        # Read before the choice, which fills the logits in place (a prompt of <|sot|>
+        # alone makes logits[:, sot] and logits[:, -1] one view).
         no_speech = f32_log_softmax(logits[:, sot])[:, self.special.no_speech].exp()
         decoding.choose(self.rules, state, logits[:, -1], sample, first=True)
         return no_speech.tolist()
