@@ -349,6 +349,63 @@ def test_fused_runs_blocked_attention_where_it_does_not_apply(monkeypatch):
     assert "fused" not in kernels.attention_candidates("decode", torch.bfloat16)
 
 
+def test_tiled_encoder_attention_is_offered_for_the_encoder_in_f32_and_bf16(monkeypatch):
+    native_built()
+    assert "tiled" in kernels.attention_candidates("encoder", torch.float32)
+    assert "tiled" in kernels.attention_candidates("encoder", torch.bfloat16)
+    for args in [
+        ("encoder", torch.float16),
+        ("decode", torch.float32),
+        ("prefill", torch.float32),
+    ]:
+        assert "tiled" not in kernels.attention_candidates(*args), args
+    monkeypatch.setattr(kernels, "_native_offered", lambda: False)
+    assert "tiled" not in kernels.attention_candidates("encoder", torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "b,h,t,s,d",
+    # tiny.en's encoder (one window, and two: rows per (batch, head) both ways), then
+    # query and key counts that fill no whole tile or panel, and a head width of 3 x 16.
+    [(1, 6, 1500, 1500, 64), (2, 3, 1500, 1500, 64), (2, 3, 37, 45, 48), (1, 2, 1, 1, 16)],
+)
+def test_tiled_encoder_attention_matches_float64_and_sdpa(b, h, t, s, d, dtype):
+    """The C kernel on q, k and v as the encoder makes them (views of one (B, T, 3, H, D)
+    projection: rows of 3 x H x D, heads apart by D), sharp scores too; its output laid
+    out as blocked attention's."""
+    native_built()
+    for sharp, seed in [(3.0, 0), (12.0, 2)]:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(b, max(t, s), 3, h, d, generator=g).to(dtype)
+        q = x[:, :t, 0].transpose(1, 2) * sharp
+        k, v = x[:, :s, 1].transpose(1, 2), x[:, :s, 2].transpose(1, 2)
+        assert kernels._tiled_applies(q, k, v, None, False, kernels._native())
+        check_attention(q, k, v, impls=["tiled"])
+        out = kernels.ATTENTION["tiled"](q, k, v, None, False)
+        assert out.stride() == kernels._blocked(q, k, v, None, False).stride()
+
+
+def test_tiled_runs_sdpa_where_it_does_not_apply(monkeypatch):
+    """A mask, a causal call, another dtype, a head width that is no multiple of the C
+    loop's vectors, keys by column, and any call where the library is absent: SDPA, bit
+    for bit. Keys of another batch (which the C loop would read past) are refused."""
+    q, k, v = qkv(2, 3, 40, 40, 16, torch.float32)
+    cases = [
+        (q, k, v, (torch.arange(40) % 3 != 1).expand(40, 40), False),
+        (q, k, v, None, True),
+        (*qkv(2, 3, 40, 40, 16, torch.float16), None, False),
+        (*qkv(2, 3, 40, 40, 12, torch.float32), None, False),
+        (q, k.mT.contiguous().mT, v, None, False),
+    ]
+    for case in cases:
+        assert not kernels._tiled_applies(*case, kernels._native())
+        assert torch.equal(kernels._tiled(*case), kernels._sdpa(*case))
+    assert not kernels._tiled_applies(q, k[:1], v[:1], None, False, kernels._native())
+    monkeypatch.setattr(kernels, "_native", lambda: None)
+    assert torch.equal(kernels._tiled(q, k, v, None, False), kernels._sdpa(q, k, v, None, False))
+
+
 def test_loading_the_native_library_changes_no_other_computation(tmp_path):
     """Subnormals survive the load: a library linked with -ffast-math (gcc before 13)
     would turn on flush-to-zero for the whole process as it loads."""

@@ -286,6 +286,42 @@ def _fused(q, k, v, mask, causal, sources: tuple[int, ...] | None = None):
     return out
 
 
+def _tiled_applies(q, k, v, mask, causal, lib) -> bool:
+    """Whether csrc/attention.c's encoder attention takes this call: float32 or bfloat16 on
+    the CPU, unmasked, each tensor's last dimension contiguous, no broadcasting, and D a
+    multiple of the library's vector width."""
+    if lib is None or mask is not None or causal or q.device.type != "cpu":
+        return False
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if not q.shape[:2] == k.shape[:2] == v.shape[:2] or k.shape[-2] != v.shape[-2]:
+        return False
+    d = q.shape[-1]
+    if not d == k.shape[-1] == v.shape[-1] or d % getattr(lib, native.ENCODER_LANES)():
+        return False
+    return q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.shape[-2] >= 1
+
+
+def _tiled(q, k, v, mask, causal):
+    """The encoder's attention in one C loop per (batch, head) (csrc/attention.c): the keys
+    packed into panels and the values made contiguous once per head, then read from the
+    core's cache by every tile of queries; computed in float32 (bf16 widened as it is
+    packed), rounded once. SDPA for any other call, and where the library is absent."""
+    lib = _native()
+    if not _tiled_applies(q, k, v, mask, causal, lib):
+        return _sdpa(q, k, v, mask, causal)
+    b, h, t, d = q.shape
+    out = q.new_empty((b, t, h, d)).transpose(1, 2)  # as _blocked's: heads merge as a view
+    status = getattr(lib, native.ENCODER_ATTENTION[dtype_name(q.dtype)])(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), b, h, t, k.shape[-2], d,
+        native.strides(q, 3), native.strides(k, 3), native.strides(v, 3),
+        native.strides(out, 3), d**-0.5, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the encoder attention's buffers (a few MB a thread)")
+    return out
+
+
 FUSED_RANGE = "whisper_cli::fused_attention/S"  # + the call's key count
 _NO_RANGE = contextlib.nullcontext()
 
@@ -324,6 +360,9 @@ ATTENTION: dict[str, Attention] = {
     # A decode step's unmasked attention in one C loop over the caches (csrc/): offered
     # only for that class, and only where the library builds.
     "fused": _fused,
+    # The encoder's in one C loop per (batch, head) over packed keys (csrc/): offered for
+    # that class in float32 and bfloat16, where the library builds.
+    "tiled": _tiled,
 }
 
 
@@ -340,7 +379,8 @@ def attention_candidates(
     does), so each is exact enough in every dtype; which one is fastest does depend on
     the dtype, and the dtype is part of every class's name."""
     if shape_class == "encoder":  # plain matmul would hold all (B, H, T, S) f32 scores
-        return ("sdpa", "blocked")
+        tiled = dtype in (torch.float32, torch.bfloat16) and kind == "none" and keys == "rows"
+        return ("sdpa", "blocked", "tiled") if tiled and _native_offered() else ("sdpa", "blocked")
     common = ("sdpa", "matmul", "blocked")
     fused = shape_class == "decode" and kind == "none"
     fused &= dtype == torch.float32 or (dtype == torch.bfloat16 and keys == "rows")

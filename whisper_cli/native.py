@@ -70,6 +70,11 @@ INT8_DTYPES = ("f32", "bf16")
 INT8_MATMUL = "int8_matmul"
 INT8_MATMUL_COLUMNS = "int8_matmul_columns"
 MAX_KEYS = 4096
+# csrc/attention.c's encoder attention: dtype -> the function (q, k, v, out, B, H, T, S,
+# D, their (batch, head, row) strides, scale, threads -> 0, or -1 where its buffers could
+# not be allocated); and the vector width whose multiple D must be.
+ENCODER_ATTENTION = {"f32": "encoder_attention_f32", "bf16": "encoder_attention_bf16"}
+ENCODER_LANES = "encoder_attention_lanes"
 MAX_HEAD_DIM = 256
 
 
@@ -171,6 +176,12 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
         fn.restype = None
     pointers, sizes = ctypes.c_void_p, ctypes.c_int64
+    for name in ENCODER_ATTENTION.values():
+        fn = getattr(lib, name)
+        fn.argtypes = [pointers] * 4 + [sizes] * 5 + [_I64P] * 4 + [ctypes.c_float, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    fn = getattr(lib, ENCODER_LANES)
+    fn.argtypes, fn.restype = [], sizes
     for dtype in INT8_DTYPES:
         for name in INT8_ROW_PASSES:
             fn = getattr(lib, f"{name}_{dtype}")
