@@ -18,7 +18,13 @@ from util import REPO, real_model, shared_clip
 
 from whisper_cli.audio import SAMPLE_RATE, load_audio
 from whisper_cli.cli import app
-from whisper_cli.speech import FRAME_SAMPLES, SpeechStream, load_detector, silero_archive_path
+from whisper_cli.speech import (
+    FRAME_SAMPLES,
+    SpeechStream,
+    dft_window,
+    load_detector,
+    silero_archive_path,
+)
 
 RATE = SAMPLE_RATE
 JFK = (
@@ -91,6 +97,29 @@ def test_detector_matches_silero_per_frame_whatever_the_blocks() -> None:
     assert (ours[:jfk_frames] > 0.5).mean() > 0.5  # the speech is heard
     assert (ours[jfk_frames + 10 :] < 0.5).mean() > 0.95  # the noise and music are not
     assert torch.get_num_threads() == threads
+
+
+def test_the_stft_runs_as_an_fft_only_where_the_filters_are_a_windowed_dft() -> None:
+    """The wheel's STFT filters are a periodic-Hann-windowed DFT, so the detector takes
+    their magnitudes by FFT; its speech probabilities are the filters' GEMM's to 1e-5 on
+    speech, noise and music. Filters that are not one keep the GEMM."""
+    detector = load_detector()
+    window = detector.dft_window
+    assert window is not None
+    torch.testing.assert_close(window, torch.hann_window(256), rtol=0, atol=1e-6)
+    audio = np.concatenate([load_audio(shared_clip("jfk.flac")), white(3.0, -30), music(3.0)])
+    fft = SpeechStream(detector)
+    fft.push(audio)
+    fft.finish()
+    detector.dft_window = None
+    gemm = SpeechStream(detector)
+    gemm.push(audio)
+    gemm.finish()
+    assert np.abs(fft.map() - gemm.map()).max() <= 1e-5
+    filters = detector.stft_conv.weight.clone()
+    filters[5, 0, 17] += 1e-3  # one coefficient off
+    assert dft_window(filters) is None
+    assert dft_window(filters[:200]) is None  # not 2 x (256 / 2 + 1) filters
 
 
 def test_detector_loads_offline_from_the_wheel_without_changing_threads(tmp_path) -> None:
