@@ -271,6 +271,24 @@ def test_one_repeat_too_many_in_the_time_left_is_dropped(tok) -> None:
     assert texts(verdict) == [SENTENCE.strip()] * 5 and verdict.repetitive == 1
 
 
+@pytest.mark.parametrize("span", [0.58, 4.0])
+def test_a_repeat_of_a_sentence_split_in_two_is_judged_as_one(tok, span) -> None:
+    """base split jfk's sentence in two (9 s and 2 s), then wrote it whole once
+    more in the 0.58 s left of its window: the same words as the two, in a twentieth of
+    their time, are dropped. Said again in 4 s (over a third of their 11 s), and the same
+    two pieces not followed by their whole, everything is kept."""
+    head = " And so my fellow Americans, ask not what your country can do for you,"
+    tail = " ask what you can do for your country."
+    said = [(0.0, 9.0, head, -0.2), (9.0, 11.0, tail, -0.2)]
+    pieces = [*said, (11.0, 11.0 + span, head + tail, -0.2)]
+    attempts = [row(tok, pieces)] * len(POLICY.temperatures)  # the text compresses: all fail
+    verdict = judge(window([(0.0, 11.0 + span)]), attempts, POLICY, tok)
+    kept = [head.strip(), tail.strip()] + ([] if span < 1 else [(head + tail).strip()])
+    assert texts(verdict) == kept and verdict.repetitive == (1 if span < 1 else 0)
+    alone = judge(window([(0.0, 11.0)]), [row(tok, said)], POLICY, tok)
+    assert texts(alone) == [head.strip(), tail.strip()] and alone.repetitive == 0
+
+
 @pytest.mark.parametrize(
     "second",
     [

@@ -129,14 +129,21 @@ def over_non_speech(
 
 
 def repeats_too_fast(segment: Segment, earlier: list[Segment], policy: Policy) -> bool:
-    """Whether the segment says an earlier kept segment's words again, in under
-    policy.repeat_min_span_fraction of that segment's time."""
+    """Whether the segment says the words of an earlier stretch of kept segments again
+    (one segment, or consecutive ones: the decoder splits a sentence where it likes), in
+    under policy.repeat_min_span_fraction of that stretch's time."""
     words = _words(segment.text)
     span = segment.end - segment.start
-    return any(
-        _words(e.text) == words and span < policy.repeat_min_span_fraction * (e.end - e.start)
-        for e in earlier
-    )
+    for first in range(len(earlier)):
+        said: list[str] = []
+        for last in range(first, len(earlier)):
+            said += _words(earlier[last].text)
+            if len(said) >= len(words):
+                stretch = earlier[last].end - earlier[first].start
+                if said == words and span < policy.repeat_min_span_fraction * stretch:
+                    return True
+                break
+    return False
 
 
 def _words(text: str) -> list[str]:

@@ -587,8 +587,8 @@ class Transcriber:
                     "repetitive",
                     f"{result.too_repetitive} segment(s) dropped as repetitive (above "
                     f"--compression-ratio-threshold {p.compression_ratio_threshold:g}, or "
-                    f"an earlier segment's words again in under {p.repeat_min_span_fraction:.2f} "
-                    "of its time)",
+                    f"earlier segments' words again in under {p.repeat_min_span_fraction:.2f} "
+                    "of their time)",
                 )
             )
         return found
