@@ -289,6 +289,18 @@ def test_a_repeat_of_a_sentence_split_in_two_is_judged_as_one(tok, span) -> None
     assert texts(alone) == [head.strip(), tail.strip()] and alone.repetitive == 0
 
 
+def test_the_pause_between_two_segments_is_no_time_spent_saying_them(tok) -> None:
+    """ "Yes." and "No." said 1 s each, 18 s apart, then "Yes, no." in 1.5 s: the same
+    words in over a third of the 2 s they took are kept, however long the pause."""
+    pieces = [
+        (0.0, 1.0, " Yes.", -0.2),
+        (19.0, 20.0, " No.", -0.2),
+        (20.0, 21.5, " Yes, no.", -0.2),
+    ]
+    verdict = judge(window([(0.0, 21.5)], seconds=22.0), [row(tok, pieces)], POLICY, tok)
+    assert texts(verdict) == ["Yes.", "No.", "Yes, no."] and verdict.repetitive == 0
+
+
 @pytest.mark.parametrize(
     "second",
     [

@@ -131,16 +131,18 @@ def over_non_speech(
 def repeats_too_fast(segment: Segment, earlier: list[Segment], policy: Policy) -> bool:
     """Whether the segment says the words of an earlier stretch of kept segments again
     (one segment, or consecutive ones: the decoder splits a sentence where it likes), in
-    under policy.repeat_min_span_fraction of that stretch's time."""
+    under policy.repeat_min_span_fraction of the time those segments took (their own
+    spans summed: a pause between them is no time spent saying the words)."""
     words = _words(segment.text)
     span = segment.end - segment.start
     for first in range(len(earlier)):
         said: list[str] = []
-        for last in range(first, len(earlier)):
-            said += _words(earlier[last].text)
-            if len(said) >= len(words):
-                stretch = earlier[last].end - earlier[first].start
-                if said == words and span < policy.repeat_min_span_fraction * stretch:
+        took = 0.0
+        for e in earlier[first:]:
+            said += _words(e.text)
+            took += e.end - e.start
+            if len(said) >= len(words):  # more segments only add words
+                if said == words and span < policy.repeat_min_span_fraction * took:
                     return True
                 break
     return False

@@ -150,13 +150,14 @@ class Policy:
     # A window's text compressing above this (gzip) is repetitive: it falls back.
     compression_ratio_threshold: float = 2.4
     # A segment that repeats an earlier segment of its window word for word (or consecutive
-    # ones: base split the sentence it then repeated into 9 s and 2 s) is dropped when its
-    # span is under this fraction of theirs: the same words said in a third of the time are
-    # the decoder counting one repeat too many, not speech. Measured: base wrote jfk's
-    # 22-word sentence once more in the 0.58 s left of a window after saying it in 11 s
-    # (0.05), and a sixth wizard sentence into the last 1.0 s of five said 5 s apart
-    # (0.2); eSpeak's repeats (calibrate_speech.py --only repeats), each said at one pace,
-    # keep the fraction near 1. A third leaves people who repeat themselves twice as fast.
+    # ones: base with int8 weights split the sentence it then repeated into 9 s and 2 s) is
+    # dropped when its span is under this fraction of their spans summed: the same words
+    # said in a third of the time are the decoder counting one repeat too many, not speech.
+    # Measured: base wrote jfk's 22-word sentence once more in the 0.58 s left of a window
+    # after saying it in 11 s (0.05), and a sixth wizard sentence into the last 1.0 s of
+    # five said 5 s apart (0.2); eSpeak's repeats (calibrate_speech.py --only repeats),
+    # each said at one pace, keep the fraction near 1. A third leaves people who repeat
+    # themselves twice as fast.
     repeat_min_span_fraction: float = 1 / 3
     # Temperatures tried in turn on a window that fails the checks above (or loops).
     temperatures: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
