@@ -366,15 +366,17 @@ def test_tiled_encoder_attention_is_offered_for_the_encoder_in_f32_and_bf16(monk
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
     "b,h,t,s,d",
-    # tiny.en's encoder (one window, and two: rows per (batch, head) both ways), then
-    # query and key counts that fill no whole tile or panel, and a head width of 3 x 16.
-    [(1, 6, 1500, 1500, 64), (2, 3, 1500, 1500, 64), (2, 3, 37, 45, 48), (1, 2, 1, 1, 16)],
+    # tiny.en's encoder (one window, and two), then query and key counts that fill no whole
+    # tile or panel, with a head width of three vectors (None: 3 x the library's lanes, so
+    # the last columns take one vector), and one query over one key.
+    [(1, 6, 1500, 1500, 64), (2, 3, 1500, 1500, 64), (2, 3, 37, 45, None), (1, 2, 1, 1, 16)],
 )
 def test_tiled_encoder_attention_matches_float64_and_sdpa(b, h, t, s, d, dtype):
     """The C kernel on q, k and v as the encoder makes them (views of one (B, T, 3, H, D)
     projection: rows of 3 x H x D, heads apart by D), sharp scores too; its output laid
     out as blocked attention's."""
     native_built()
+    d = d or 3 * getattr(kernels._native(), native.ENCODER_LANES)()
     for sharp, seed in [(3.0, 0), (12.0, 2)]:
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(b, max(t, s), 3, h, d, generator=g).to(dtype)
@@ -384,6 +386,21 @@ def test_tiled_encoder_attention_matches_float64_and_sdpa(b, h, t, s, d, dtype):
         check_attention(q, k, v, impls=["tiled"])
         out = kernels.ATTENTION["tiled"](q, k, v, None, False)
         assert out.stride() == kernels._blocked(q, k, v, None, False).stride()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_tiled_window_is_the_same_bytes_alone_or_in_a_batch(dtype):
+    """One window's heads are fewer than twice the threads, so the C loop splits each
+    head's queries between them; in a batch of four it does not: a window's output is
+    the same bytes either way (a row's text must not depend on its batch)."""
+    native_built()
+    x = torch.randn(4, 200, 3, 3, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))
+    batch = kernels._tiled(q, k, v, None, False)
+    for row in range(4):
+        one = slice(row, row + 1)
+        alone = kernels._tiled(q[one], k[one], v[one], None, False)
+        assert torch.equal(alone, batch[one]), row
 
 
 def test_tiled_runs_sdpa_where_it_does_not_apply(monkeypatch):

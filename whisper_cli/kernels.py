@@ -1021,7 +1021,9 @@ def _attention_timing(h: int, t: int, s: int, d: int) -> tuple[int, int, int, in
     batch of TOKEN_ROWS cut so that one K tensor, and the scores, hold at most
     TIMING_ELEMENTS (per-row costs, not totals, are compared: timing the encoder's
     attention costs about one window's per candidate)."""
-    t = min(t, 2 * BLOCK_ROWS)  # encoder: per-row costs of sdpa and blocked are flat in T
+    # The encoder: per-row costs of sdpa and blocked are flat in T; tiled packs each head's
+    # keys once, which weighs more over these rows than over 1500 (against it, if at all).
+    t = min(t, 2 * BLOCK_ROWS)
     return max(1, min(TOKEN_ROWS, TIMING_ELEMENTS // (h * s * max(d, t)))), h, t, s, d
 
 

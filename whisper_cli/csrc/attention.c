@@ -124,10 +124,10 @@ DECODE_ATTENTION(decode_attention_f32, float, as_float, as_float, KEY_ROWS)
 DECODE_ATTENTION(decode_attention_f32_kcols, float, as_float, as_float, KEY_COLUMNS)
 
 /* The encoder's attention, computed in float32:
- * out[b, h] = softmax(q[b, h] . k[b, h]^T * scale) . v[b, h] for T queries over S keys, unmasked (kernels._tiled). SDPA's CPU kernel runs it
- * at 72-79 GFMA/s on the encoder's shapes (two GEMMs of depth 64 and 1500 per head and a
- * softmax over 1500 x 1500 scores; AMD EPYC Zen 4, 2 cores), below the 105 its GEMMs reach
- * alone. Here each (b, h) is one thread's: its keys are packed once into panels of KEYS
+ * out[b, h] = softmax(q[b, h] . k[b, h]^T * scale) . v[b, h] for T queries over S keys,
+ * unmasked (kernels._tiled). SDPA's CPU kernel runs it at 72-79 GFMA/s on the encoder's
+ * shapes (two GEMMs of depth 64 and 1500 per head and a softmax over 1500 x 1500 scores;
+ * AMD EPYC Zen 4, 2 cores). Here a head's keys are packed once into panels of KEYS
  * keys (the panel's D x KEYS floats contiguous, read in order by the product) and its
  * values copied contiguous, both then read from the core's cache by every tile of ROWS
  * queries: the tile's scores over all keys (ROWS x 2 vector accumulators), a softmax in
@@ -157,7 +157,8 @@ typedef float lanes_t __attribute__((vector_size(LANES * 4)));
 #endif
 
 /* exp(x) for x <= 0 (a score minus its row's maximum): Cody-Waite reduction by ln 2 and
- * Cephes' degree-6 polynomial for expf (error about 1 ulp), against torch's vectorized
+ * Cephes' polynomial for expf (error about 1 ulp; -ffast-math may fold the two parts of
+ * ln 2 into one, ~2 ulp at most), against torch's vectorized
  * exp (the "u20" kernel its flash attention uses). Below -87 the result is exp(-87)
  * ~ 1.6e-38, where expf's would be smaller: a weight no float32 sum of order 1 keeps. */
 static inline __attribute__((always_inline)) lanes_t exp_lanes(lanes_t x) {
@@ -175,7 +176,7 @@ static inline __attribute__((always_inline)) lanes_t exp_lanes(lanes_t x) {
     return y;
 #endif
 #if defined(__AVX512F__) || defined(__AVX2__)
-    lanes_t r = x - n * 0.693359375f; /* ln 2 in two parts: the first exact in n's range */
+    lanes_t r = x - n * 0.693359375f; /* ln 2 in two parts */
     r = r - n * -2.12194440e-4f;
     lanes_t p = 1.9875691500e-4f * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
@@ -256,22 +257,32 @@ static inline __attribute__((always_inline)) void weigh_values(
 
 int64_t encoder_attention_lanes(void) { return LANES; }
 
-/* Each thread's buffers, float32 (sizes are multiples of 64 bytes, aligned_alloc's rule:
- * D a multiple of LANES, SP of KEYS): the head's keys in panels [SP / KEYS][D][KEYS], its
- * values [S][D], a tile's scores [ROWS][SP], queries (scaled) and outputs [ROWS][D]. */
+/* Each thread's buffers, float32, 64-byte aligned (sizes rounded up to 64 bytes, as
+ * aligned_alloc asks): the head's keys in panels [SP / KEYS][D][KEYS], its values [S][D],
+ * a tile's scores [ROWS][SP], queries (scaled) and outputs [ROWS][D]. */
+#define ALIGNED_FLOATS(n) aligned_alloc(64, ((n) * sizeof(float) + 63) / 64 * 64)
 #define ENCODER_BUFFERS(SP, S, D)                                                          \
-    float *panels = aligned_alloc(64, sizeof(float) * (SP) * (D));                         \
-    float *values = aligned_alloc(64, sizeof(float) * (S) * (D));                          \
-    float *scores = aligned_alloc(64, sizeof(float) * ROWS * (SP));                        \
-    float *query = aligned_alloc(64, sizeof(float) * ROWS * (D));                          \
-    float *tile = aligned_alloc(64, sizeof(float) * ROWS * (D));                           \
+    float *panels = ALIGNED_FLOATS((SP) * (D));                                            \
+    float *values = ALIGNED_FLOATS((S) * (D));                                             \
+    float *scores = ALIGNED_FLOATS(ROWS * (SP));                                           \
+    float *query = ALIGNED_FLOATS(ROWS * (D));                                             \
+    float *tile = ALIGNED_FLOATS(ROWS * (D));                                              \
     const int ok = panels && values && scores && query && tile;
 
+/* The work is (batch, head, part) items: a head's queries in parts of whole tiles when
+ * there are fewer heads than twice the threads (one window), so every thread has work;
+ * a thread packs a head's keys and values when its next item is another head's. A
+ * query's arithmetic is the same whatever the parts (its tile's other rows do not enter
+ * it), so a row's output does not depend on the batch it runs in. */
 #define ENCODER_ATTENTION(NAME, T, LOAD, STORE)                                            \
     int NAME(const T *q, const T *k, const T *v, T *out, int64_t B, int64_t H, int64_t TQ, \
              int64_t S, int64_t D, const int64_t *qs, const int64_t *ks, const int64_t *vs, \
              const int64_t *os, float scale, int threads) {                                \
         const int64_t SP = (S + KEYS - 1) / KEYS * KEYS; /* keys padded to whole panels */ \
+        const int64_t tiles = (TQ + ROWS - 1) / ROWS;                                      \
+        int64_t parts = B * H >= 2 * threads ? 1 : (2 * threads + B * H - 1) / (B * H);    \
+        parts = parts < tiles ? parts : tiles;                                             \
+        const int64_t per_part = (tiles + parts - 1) / parts * ROWS; /* queries */         \
         int failed = 0;                                                                    \
         _Pragma("omp parallel num_threads(threads)") {                                     \
             ENCODER_BUFFERS(SP, S, D)                                                      \
@@ -279,22 +290,30 @@ int64_t encoder_attention_lanes(void) { return LANES; }
                 _Pragma("omp atomic write") failed = 1;                                    \
             }                                                                              \
             _Pragma("omp barrier");                                                        \
+            int64_t packed = -1; /* the (b, h) whose keys and values the buffers hold */    \
             _Pragma("omp for schedule(static)")                                            \
-            for (int64_t i = 0; i < (failed ? 0 : B * H); i++) {                           \
-                const int64_t b = i / H, h = i % H;                                        \
+            for (int64_t i = 0; i < (failed ? 0 : B * H * parts); i++) {                   \
+                const int64_t bh = i / parts, b = bh / H, h = bh % H;                      \
                 const T *qi = q + b * qs[0] + h * qs[1];                                   \
-                const T *ki = k + b * ks[0] + h * ks[1];                                   \
-                const T *vi = v + b * vs[0] + h * vs[1];                                   \
                 T *oi = out + b * os[0] + h * os[1];                                       \
-                for (int64_t s = 0; s < SP; s++) { /* key s: column s % KEYS of a panel */ \
-                    float *col = panels + s / KEYS * KEYS * D + s % KEYS;                  \
-                    const T *key = ki + s * ks[2];                                         \
-                    for (int64_t d = 0; d < D; d++) col[d * KEYS] = s < S ? LOAD(key[d]) : 0.0f; \
+                if (bh != packed) {                                                        \
+                    const T *ki = k + b * ks[0] + h * ks[1];                               \
+                    const T *vi = v + b * vs[0] + h * vs[1];                               \
+                    for (int64_t s = 0; s < SP; s++) { /* key s: column s % KEYS */        \
+                        float *col = panels + s / KEYS * KEYS * D + s % KEYS;              \
+                        if (s < S)                                                         \
+                            for (int64_t d = 0; d < D; d++) col[d * KEYS] = LOAD(ki[s * ks[2] + d]); \
+                        else                                                               \
+                            for (int64_t d = 0; d < D; d++) col[d * KEYS] = 0.0f;          \
+                    }                                                                      \
+                    for (int64_t s = 0; s < S; s++)                                        \
+                        for (int64_t d = 0; d < D; d++) values[s * D + d] = LOAD(vi[s * vs[2] + d]); \
+                    packed = bh;                                                           \
                 }                                                                          \
-                for (int64_t s = 0; s < S; s++)                                            \
-                    for (int64_t d = 0; d < D; d++) values[s * D + d] = LOAD(vi[s * vs[2] + d]); \
-                for (int64_t t0 = 0; t0 < TQ; t0 += ROWS) {                                \
-                    const int64_t rows = TQ - t0 < ROWS ? TQ - t0 : ROWS; /* rest: zeros */ \
+                const int64_t from = i % parts * per_part;                                 \
+                const int64_t to = from + per_part < TQ ? from + per_part : TQ;            \
+                for (int64_t t0 = from; t0 < to; t0 += ROWS) {                             \
+                    const int64_t rows = to - t0 < ROWS ? to - t0 : ROWS; /* rest: zeros */ \
                     for (int64_t r = 0; r < ROWS; r++)                                     \
                         for (int64_t d = 0; d < D; d++)                                    \
                             query[r * D + d] =                                             \
