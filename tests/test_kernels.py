@@ -419,6 +419,11 @@ def test_tiled_runs_sdpa_where_it_does_not_apply(monkeypatch):
         assert not kernels._tiled_applies(*case, kernels._native())
         assert torch.equal(kernels._tiled(*case), kernels._sdpa(*case))
     assert not kernels._tiled_applies(q, k[:1], v[:1], None, False, kernels._native())
+    # Nothing to compute (no batch row, no query, no key): the C loop would divide by zero.
+    for empty in [qkv(0, 3, 40, 40, 16, torch.float32), (q[:, :, :0], k, v)]:
+        assert not kernels._tiled_applies(*empty, None, False, kernels._native())
+        assert torch.equal(kernels._tiled(*empty, None, False), kernels._sdpa(*empty, None, False))
+    assert not kernels._tiled_applies(q, k[:, :, :0], v[:, :, :0], None, False, kernels._native())
     monkeypatch.setattr(kernels, "_native", lambda: None)
     assert torch.equal(kernels._tiled(q, k, v, None, False), kernels._sdpa(q, k, v, None, False))
 

@@ -288,9 +288,10 @@ def _fused(q, k, v, mask, causal, sources: tuple[int, ...] | None = None):
 
 def _tiled_applies(q, k, v, mask, causal, lib) -> bool:
     """Whether csrc/attention.c's encoder attention takes this call: float32 or bfloat16 on
-    the CPU, unmasked, each tensor's last dimension contiguous, no broadcasting, and D a
-    multiple of the library's vector width."""
-    if lib is None or mask is not None or causal or q.device.type != "cpu":
+    the CPU, unmasked, each tensor's last dimension contiguous, no broadcasting, D a
+    multiple of the library's vector width, and something to compute (the C loop divides
+    the work by the batch's heads and the queries' tiles)."""
+    if lib is None or mask is not None or causal or q.device.type != "cpu" or q.numel() == 0:
         return False
     if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float32, torch.bfloat16):
         return False
