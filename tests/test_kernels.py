@@ -6,8 +6,10 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -1524,7 +1526,8 @@ def test_int8_float_passes_in_c_give_torchs_bytes(dtype, monkeypatch):
     b = bias.to(dtype)
 
     def runs() -> list[torch.Tensor]:
-        out = [*kernels._unit_rows(x[:, :700]), *kernels._quantized_rows(x[:, :700])]
+        narrow = kernels._quantized_rows(x[:, :700], kernels.NARROW_GRID)
+        out = [*kernels._unit_rows(x[:, :700]), *narrow]
         for bb in (b, None):
             out.append(kernels._rescale(acc.clone(), amax, bb, x, 80, None))
             out.append(kernels._rescale(acc.clone(), amax, bb, x, 80, torch.empty_like(out[-1])))
@@ -1532,7 +1535,7 @@ def test_int8_float_passes_in_c_give_torchs_bytes(dtype, monkeypatch):
             if name in kernels.int8_candidates(dtype):
                 form = kernels.int8_form(name, weight, scale)
                 out.append(kernels.INT8_LINEAR[name](x, weight, scale, b, form))
-        return out
+        return [*out, *kernels._quantized_rows(x[:, :700], kernels.WIDE_GRID)]
 
     lib, called = kernels._native(), set()
 
@@ -1558,15 +1561,95 @@ def test_the_c_grid_is_the_one_kernels_py_names(dtype, monkeypatch):
     steps and zero it is given, as torch's chain does, not on values of its own."""
     native_built()
     x = (torch.randn(8, 96, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
-    default = kernels._quantized_rows(x)[0]
-    assert int(default.min()) >= 1 and int(default.max()) <= 127  # 63 steps around 64
-    monkeypatch.setattr(kernels, "_X_STEPS", 15)
-    monkeypatch.setattr(kernels, "_X_ZERO", 100)
-    q_c, amax_c = kernels._quantized_rows(x)
+    narrow = kernels._quantized_rows(x, kernels.NARROW_GRID)[0]
+    assert int(narrow.min()) == 1 and int(narrow.max()) == 127  # 63 steps around 64
+    wide = kernels._quantized_rows(x, kernels.WIDE_GRID)[0]
+    assert int(wide.min()) == 1 and int(wide.max()) == 255  # 127 steps around 128
+    q_c, amax_c = kernels._quantized_rows(x, kernels.Grid(15, 100))
     monkeypatch.setattr(kernels, "_native", lambda: None)
-    q_torch, amax_torch = kernels._quantized_rows(x)
+    q_torch, amax_torch = kernels._quantized_rows(x, kernels.Grid(15, 100))
     assert int(q_c.min()) == 85 and int(q_c.max()) == 115  # each row's extreme: zero -+ 15
     assert torch.equal(q_c, q_torch) and torch.equal(amax_c, amax_torch)
+
+
+def _cpu_flags() -> set[str] | None:
+    """This CPU's flags where Linux lists them (None elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    flags = next((line for line in lines if line.startswith("flags")), None)
+    return None if flags is None else set(flags.split(":", 1)[1].split())
+
+
+def _activation_kernels() -> list[str]:
+    return [n for n in ("fbgemm", "onednn") if n in kernels.int8_candidates(torch.float32)]
+
+
+def _grid_worst_case(name: str, grid) -> tuple[torch.Tensor, torch.Tensor]:
+    """`name`'s result on `grid` for rows at the grid's ends against weights of +-127
+    (where a pair sum of u8 x s8 products overflows int16 on the wide grid), and the
+    exact sums."""
+    k = 128
+    x = torch.stack([torch.ones(k), -torch.ones(k)])
+    weight = torch.stack([torch.full((k,), 127), torch.full((k,), -127)]).to(torch.int8)
+    scale = torch.ones(2)
+    form = kernels.int8_form(name, weight, scale)
+    got = kernels.INT8_LINEAR[name](x, weight, scale, None, form, grid=grid)
+    return got, x @ weight.float().T
+
+
+def test_the_activation_grid_is_wide_only_where_the_int8_gemm_sums_exactly():
+    """activation_grid's probe: each kernel that quantizes activations gets the grid on
+    which it computes the worst case exactly (to the grid's own rounding of 1 / steps);
+    where that grid is the narrow one, the wide one really misses it (the kernel
+    saturates), and where it is the wide one, the error on random rows with outliers is
+    about half the narrow grid's. On x86 the probe agrees with the instruction set: no
+    VNNI, narrow; AVX-512 VNNI (fbgemm and oneDNN both have kernels for it), wide."""
+    names = _activation_kernels()
+    if not names:
+        pytest.skip("this torch has neither fbgemm nor oneDNN int8 kernels")
+    flags = _cpu_flags() if platform.machine() in ("x86_64", "AMD64") else None
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(64, 384, generator=g)
+    x[:, 5] *= 30  # an outlier column, as Whisper's activations have
+    weight, scale, bias = int8_layer(n=256, k=384)
+    ref = kernels._int8_dequant(x, weight, scale, bias)
+    for name in names:
+        grid = kernels.activation_grid(name)
+        got, exact = _grid_worst_case(name, grid)
+        torch.testing.assert_close(got, exact, rtol=1e-5, atol=0)
+        form = kernels.int8_form(name, weight, scale)
+        errors = {
+            g.steps: (kernels.INT8_LINEAR[name](x, weight, scale, bias, form, grid=g) - ref)
+            .norm()
+            .item()
+            for g in (kernels.NARROW_GRID, kernels.WIDE_GRID)
+        }
+        if grid == kernels.NARROW_GRID:
+            wide, _ = _grid_worst_case(name, kernels.WIDE_GRID)
+            assert not torch.allclose(wide, exact, rtol=1e-3), name
+        else:
+            assert grid == kernels.WIDE_GRID
+            assert errors[127] < 0.6 * errors[63], (name, errors)
+        if flags is not None and not flags & {"avx512_vnni", "avx_vnni", "amx_int8"}:
+            assert grid == kernels.NARROW_GRID, name
+        if flags is not None and "avx512_vnni" in flags:
+            assert grid == kernels.WIDE_GRID, name
+
+
+def test_the_probe_finds_a_saturating_int8_gemm():
+    """oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA, in a process of its own) sums u8 x s8 pairs
+    in int16, as a CPU without VNNI does: the probe gives the narrow grid there."""
+    if platform.machine() not in ("x86_64", "AMD64") or "onednn" not in _activation_kernels():
+        pytest.skip("oneDNN's x86 kernels are what this holds to AVX2")
+    code = "from whisper_cli import kernels; print(kernels.activation_grid('onednn').steps)"
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(kernels.NARROW_GRID.steps)]
 
 
 def _native_library(where: Path, extra: tuple[str, ...]):

@@ -2,7 +2,8 @@
 
 Tolerances, stated once: teacher-forced over the shared clips' reference words, each int8
 kernel's logits are within REL_ERR_ACTIVATIONS (kernels that quantize the activations per
-row) or REL_ERR_WEIGHT_ONLY (kernels that keep them) of the f32 model's, relative (Frobenius
+row on 7 bits), REL_ERR_WIDE (on 8 bits, where kernels.activation_grid probed it exact) or
+REL_ERR_WEIGHT_ONLY (kernels that keep them) of the f32 model's, relative (Frobenius
 norm), and pick the f32 model's token at AGREEMENT of the positions or more; the kernels the
 plan chooses transcribe the English clips at a pooled WER of at most MAX_WER.
 """
@@ -21,7 +22,8 @@ from whisper_cli.loading import load_model, plan_kernels, run_reach
 from whisper_cli.model import Extent, Linear
 from whisper_cli.options import TranscribeOptions
 
-REL_ERR_ACTIVATIONS = 0.10  # "fbgemm", "onednn"
+REL_ERR_ACTIVATIONS = 0.10  # "fbgemm", "onednn" on kernels.NARROW_GRID
+REL_ERR_WIDE = 0.05  # on kernels.WIDE_GRID (measured 0.019-0.027 base, 0.035-0.042 tiny.en)
 REL_ERR_WEIGHT_ONLY = 0.04  # "dequant", "weight-only"
 AGREEMENT = 0.9
 MAX_WER = 0.05
@@ -115,7 +117,10 @@ def test_int8_logits_follow_f32_with_every_kernel(model_name, kernels_mode):
     for name in kernels.int8_candidates(torch.float32):
         plan = plan_kernels(loaded.model, loaded.policy, reach, mode=name)
         assert set(plan.choices[n] for n in plan.choices if n.startswith("int8-")) == {name}
-        bound = REL_ERR_WEIGHT_ONLY if name in ("dequant", "weight-only") else REL_ERR_ACTIVATIONS
+        bound = REL_ERR_WEIGHT_ONLY
+        if name in ("fbgemm", "onednn"):
+            wide = kernels.activation_grid(name) == kernels.WIDE_GRID
+            bound = REL_ERR_WIDE if wide else REL_ERR_ACTIVATIONS
         ours = teacher_forced(loaded, cases)
         for (clip, channel, _), out, ref in zip(cases, ours, f32, strict=True):
             err = ((out - ref).norm() / ref.norm()).item()

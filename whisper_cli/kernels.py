@@ -634,24 +634,26 @@ def _unit_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return _int8_rows("unit_rows", torch.float32, x)
 
 
-def _quantized_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x's rows (M, K) as unit rows (_unit_rows) quantized on the fixed grid (_X_STEPS,
-    _X_ZERO), uint8, and their maxima (M, 1), as _unit_rows makes them."""
-    return _int8_rows("quantize_rows", torch.uint8, x)
+def _quantized_rows(x: Tensor, grid: Grid) -> tuple[Tensor, Tensor]:
+    """x's rows (M, K) as unit rows (_unit_rows) quantized on `grid`, uint8, and their
+    maxima (M, 1), as _unit_rows makes them."""
+    return _int8_rows("quantize_rows", torch.uint8, x, grid)
 
 
-def _int8_rows(kind: str, dtype: torch.dtype, x: Tensor) -> tuple[Tensor, Tensor]:
+def _int8_rows(
+    kind: str, dtype: torch.dtype, x: Tensor, grid: Grid | None = None
+) -> tuple[Tensor, Tensor]:
     """x's rows as `kind` of csrc/int8.c makes them (in `dtype`), and their maxima; uint8
-    rows are on the grid (_X_STEPS, _X_ZERO), which the C pass takes from here."""
+    rows are on `grid`, which the C pass takes from here."""
     rows = x.reshape(-1, x.shape[-1])
     lib = _native()
     if lib is not None and _native_rows(x) and rows.stride(-1) == 1:
         m, k = rows.shape
         out = torch.empty((m, k), dtype=dtype, device=x.device)
         amax = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-        grid = (_X_STEPS, _X_ZERO) if kind == native.INT8_GRID_PASS else ()
+        on = (grid.steps, grid.zero) if kind == native.INT8_GRID_PASS else ()
         getattr(lib, f"{kind}_{dtype_name(x.dtype)}")(
-            rows.data_ptr(), m, k, rows.stride(0), out.data_ptr(), amax.data_ptr(), *grid,
+            rows.data_ptr(), m, k, rows.stride(0), out.data_ptr(), amax.data_ptr(), *on,
             torch.get_num_threads(),
         )  # fmt: skip
         return out, amax
@@ -661,7 +663,7 @@ def _int8_rows(kind: str, dtype: torch.dtype, x: Tensor) -> tuple[Tensor, Tensor
     unit = (rows / amax).contiguous()
     if dtype == torch.float32:
         return unit, amax
-    return unit.mul_(_X_STEPS).round_().add_(_X_ZERO).to(torch.uint8), amax
+    return unit.mul_(grid.steps).round_().add_(grid.zero).to(torch.uint8), amax
 
 
 def _rescale(
@@ -701,23 +703,63 @@ def _native_rows(x: Tensor) -> bool:
 _INT8_NATIVE_DTYPES = frozenset(DTYPE_NAMES[name] for name in native.INT8_DTYPES)
 
 
-# The activations' quantization of unit rows (_unit_rows), fixed: x = (q - zero) * scale, q
-# in [1, 127] (7 bits: without VNNI, u8 x s8 pair sums saturate int16 at 8 bits). A grid
-# that depends on nothing else in the call quantizes every row on its own, so a row's
-# result is the same alone, in a batch or in a tile of a larger call (int8_linear).
-_X_STEPS = 63  # grid points per unit: x = (q - zero) / steps
-_X_SCALE = 1 / _X_STEPS
-_X_ZERO = 64
+@dataclass(frozen=True)
+class Grid:
+    """The activations' quantization of unit rows (_unit_rows): x = (q - zero) / steps, q
+    a uint8 in [zero - steps, zero + steps]. A grid that depends on nothing in the call
+    quantizes every row on its own, so a row's result is the same alone, in a batch or in
+    a tile of a larger call (int8_linear)."""
+
+    steps: int  # grid points per unit
+    zero: int
+
+    @property
+    def scale(self) -> float:
+        return 1 / self.steps
 
 
-def _int8_fbgemm(x, weight, scale, bias, prepared, out=None):
-    """fbgemm's int8 linear with activations quantized per row (_unit_rows) on the fixed
-    grid (_X_SCALE, _X_ZERO), an int8 GEMM accumulating in int32 and the weight's scales
-    applied in float32. (Its dynamic variant takes the grid from the call's min and max:
-    a row's result would depend on the other rows.)"""
+# 8 bits (q in [1, 255]) where the int8 GEMM sums u8 x s8 products in int32 (VNNI's
+# vpdpbusd, AMX); 7 bits (q in [1, 127]) where it sums pairs of them in int16 first
+# (AVX2's and AVX-512's vpmaddubsw, saturating at 32767: 2 x 255 x 127 overflows it,
+# 2 x 127 x 127 does not). Which one a library does is a fact of the CPU and of the
+# library's build, so it is probed (activation_grid), not read from CPU flags. The wide
+# grid halves the quantization's error: measured on the shared English clips, teacher
+# forced, onednn's logits against f32's, relative: base 0.039-0.056 -> 0.019-0.027,
+# tiny.en 0.049-0.060 -> 0.035-0.042 (weight-only int8, the floor: base 0.007-0.010).
+WIDE_GRID = Grid(127, 128)
+NARROW_GRID = Grid(63, 64)
+
+
+@functools.cache
+def activation_grid(name: str) -> Grid:
+    """The grid implementation `name` quantizes activations on in this process: WIDE_GRID
+    where its GEMM is exact on the wide grid's worst case, NARROW_GRID elsewhere.
+
+    The probe: rows at the grid's ends (every q = 255, or 1) against weight rows of +-127
+    and of alternating signs, K = 64, scales 1: every product and sum is an integer under
+    2^24 that float32 holds exactly, so an exact GEMM returns it to the bit and one that
+    saturates a pair sum misses it by thousands."""
+    k = 64
+    signs = torch.tensor([1.0, -1.0]).repeat(k // 2)
+    x = torch.stack([torch.ones(k), -torch.ones(k), signs])
+    weight = torch.stack([torch.full((k,), 127.0), -torch.full((k,), 127.0), 127 * signs])
+    weight = weight.to(torch.int8)
+    scale = torch.ones(weight.shape[0])
+    exact = x @ weight.float().T
+    run = INT8_LINEAR[name]
+    got = run(x, weight, scale, None, int8_form(name, weight, scale), grid=WIDE_GRID)
+    return WIDE_GRID if torch.equal(got, exact) else NARROW_GRID
+
+
+def _int8_fbgemm(x, weight, scale, bias, prepared, out=None, grid=None):
+    """fbgemm's int8 linear with activations quantized per row (_unit_rows) on `grid`
+    (default: activation_grid's), an int8 GEMM accumulating in int32 and the weight's
+    scales applied in float32. (Its dynamic variant takes the grid from the call's min
+    and max: a row's result would depend on the other rows.)"""
+    grid = grid or activation_grid("fbgemm")
     rows, amax = _unit_rows(x)
     acc = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-        rows, _X_SCALE, _X_ZERO, prepared
+        rows, grid.scale, grid.zero, prepared
     )
     return _rescale(acc, amax, bias, x, weight.shape[0], out)
 
@@ -728,14 +770,15 @@ def _onednn_prepare(weight: Tensor, scale: Tensor):
     return torch.ops.onednn.qlinear_prepack(weight, None), scale.float(), zeros
 
 
-def _int8_onednn(x, weight, scale, bias, prepared, out=None):
+def _int8_onednn(x, weight, scale, bias, prepared, out=None, grid=None):
     """oneDNN's int8 linear (the kernel inductor and torchao call on x86) with activations
-    quantized per row (_quantized_rows) on the fixed grid (_X_SCALE, _X_ZERO), an int8 GEMM,
-    the weight's scales applied by oneDNN in float32."""
+    quantized per row (_quantized_rows) on `grid` (default: activation_grid's), an int8
+    GEMM, the weight's scales applied by oneDNN in float32."""
+    grid = grid or activation_grid("onednn")
     packed, w_scale, w_zero = prepared
-    q, amax = _quantized_rows(x)
+    q, amax = _quantized_rows(x, grid)
     acc = torch.ops.onednn.qlinear_pointwise(
-        q, _X_SCALE, _X_ZERO, packed, w_scale, w_zero,
+        q, grid.scale, grid.zero, packed, w_scale, w_zero,
         None, 1.0, 0, torch.float32, "none", [], "",
     )  # fmt: skip
     return _rescale(acc, amax, bias, x, weight.shape[0], out)
@@ -943,7 +986,7 @@ def int8_linear(
     A call of more than INT8_TILE_ROWS rows (the encoder's) runs in equal tiles of rows,
     each written in place into one output in x's dtype: each kernel's float32 and uint8
     temporaries are a tile's, not the call's. Each kernel computes a row on its own (a
-    grid per row, see _X_SCALE), and the BLAS behind the reference computes a tile's rows
+    grid per row, see Grid), and the BLAS behind the reference computes a tile's rows
     as it does the whole call's (test_kernels checks both): the result is the untiled
     call's."""
     if torch.compiler.is_compiling():

@@ -8,7 +8,8 @@
  *
  * quantize_rows_*: x (M, K) rows (float32 or bfloat16, row stride ld) -> q (M, K) uint8,
  * contiguous, and amax (M,) float32, each row quantized on its own fixed grid, whose
- * steps and zero the caller passes (kernels._X_STEPS, _X_ZERO; the unit rows take none):
+ * steps and zero the caller passes (kernels.Grid, see activation_grid; the unit rows
+ * take none):
  *     a = max |x[i, :]| (1 where the row is all zero),
  *     q[i, j] = round_half_even((x[i, j] / a) * steps) + zero,
  * the float32 operations torch performs for kernels._unit_rows and the grid, in the same
