@@ -15,6 +15,7 @@ import jiwer
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 from typer.testing import CliRunner
 from util import manifest, real_model, shared_clip
 from whisper_normalizer.basic import BasicTextNormalizer
@@ -266,10 +267,17 @@ def test_speech_after_timestamps_reads_the_map() -> None:
     assert after[round(9.1 * per_second)] and not slack[round(9.1 * per_second)]
     assert slack[round(8.9 * per_second)] and slack[round(2 * per_second)]
 
-    # Each row of a batch's grid has its own slack (a window cut off has less).
-    grid = rules.SpeechGrid.from_maps([speech, speech], 1501, 0.25, [0.3, 0.0], "cpu")
-    np.testing.assert_array_equal(grid.after[0].numpy(), slack)
-    np.testing.assert_array_equal(grid.after[1].numpy(), after)
+    # Each row of a batch's grid has its own slacks, for open text and for text that ends
+    # a sentence (a window cut off has one, less), each in its bit.
+    slacks = [(0.0, 0.3), (0.0, 0.0), (0.3, 0.3)]
+    grid = rules.SpeechGrid.from_maps([speech] * 3, 1501, 0.25, slacks, "cpu")
+    assert grid.after.dtype == torch.uint8
+    bits = grid.after.numpy()
+    for row, (open_slack, ended_slack) in enumerate(slacks):
+        held_open = bits[row] & rules.HELD_OPEN != 0
+        held_ended = bits[row] & rules.HELD_ENDED != 0
+        np.testing.assert_array_equal(held_open, slack if open_slack else after)
+        np.testing.assert_array_equal(held_ended, slack if ended_slack else after)
 
 
 # --- 3. batching changes nothing -------------------------------------------------------------

@@ -276,15 +276,27 @@ def test_the_words_before_a_windows_cut_are_written(model, tmp_path, transcriber
 # --- no timestamp passes over speech ------------------------------------------------------------
 
 
+FULL_STOP = 13  # the text token of _rules's vocabulary that ends a sentence
+
+
 def _rules(skip):
-    """Rules over a vocabulary of 100 text tokens (end-of-text 50) and 30 s of timestamps."""
+    """Rules over a vocabulary of 100 text tokens (end-of-text 50, FULL_STOP ending a
+    sentence) and 30 s of timestamps."""
     from whisper_cli.rules import Rules
 
     n_ts, ts_begin = 1501, 100
     vocab = ts_begin + n_ts
     never = torch.zeros(0, dtype=torch.long)  # suppressed: none, also at a first token
+    sentence_end = torch.arange(vocab) == FULL_STOP
     return Rules(
-        never, torch.zeros(vocab, dtype=torch.bool), torch.arange(n_ts), 50, ts_begin, True, skip
+        never,
+        torch.zeros(vocab, dtype=torch.bool),
+        torch.arange(n_ts),
+        50,
+        ts_begin,
+        True,
+        skip,
+        sentence_end,
     )
 
 
@@ -354,6 +366,59 @@ def test_the_next_segment_does_not_open_past_speech() -> None:
     quiet = _speech_table([(0.6, 2.8), (15.4, 28.1)])  # 15.4 s is past a pause now
     args = (torch.tensor([9]), close, text, close, None, quiet, torch.tensor([0]))
     assert int(apply_rules(rules, logits.clone(), *args).argmax()) == _ts(rules, 15.4)
+
+
+def test_text_that_stops_mid_sentence_may_not_end_while_its_speech_runs_on() -> None:
+    """base wrote "... behind the curtain<27.28>" and would have ended there, with "on the
+    left" (0.72 s of the same stretch of speech) unwritten: the slack that forgives an
+    utterance's end dated early is for text that ends a sentence. Here the stretch runs
+    0.6 s past the closing timestamp: after a full stop the decode may end (0.6 s - 0.5 s
+    slack < 0.25 s), mid-sentence it may not (open_end_slack_seconds: 0), nor after an
+    opened segment (a pair of timestamps) whatever came before."""
+    from whisper_cli.rules import SpeechGrid, apply_rules
+    from whisper_cli.speech import FRAME_SECONDS
+
+    p = Policy()
+    rules = _rules(None)
+    speech = np.zeros(round(30 / FRAME_SECONDS), dtype=bool)
+    speech[round(0.6 / FRAME_SECONDS) : round(2.8 / FRAME_SECONDS)] = True
+    slacks = [(p.open_end_slack_seconds, p.end_slack_seconds)] * 3
+    grid = SpeechGrid.from_maps([speech] * 3, 1501, p.min_speech_seconds, slacks, "cpu")
+    close = _ts(rules, 2.2)
+    last = torch.tensor([close, close, close])
+    penult = torch.tensor([FULL_STOP, 7, close])  # ended, open, a pair after a full stop
+    logits = torch.zeros(3, rules.timestamp_begin + 1501)
+    logits[:, rules.eot] = 10.0  # the model's favourite: to end
+    logits[:, 7] = 5.0
+    index = torch.tensor([9, 9, 10])
+    out = apply_rules(rules, logits, index, last, penult, last, grid.after)
+    assert out[0].argmax() == rules.eot
+    assert out[1, rules.eot] == float("-inf") and out[2, rules.eot] == float("-inf")
+    # Past the stretch's end (2.8 s) nothing holds any of them.
+    last = torch.full((3,), _ts(rules, 2.9))
+    penult = torch.tensor([FULL_STOP, 7, _ts(rules, 2.9)])
+    logits = torch.zeros(3, rules.timestamp_begin + 1501)
+    logits[:, rules.eot] = 10.0
+    out = apply_rules(rules, logits, index, last, penult, last, grid.after)
+    assert (out.argmax(dim=1) == rules.eot).all()
+
+
+def test_sentence_ends_are_the_tokens_ending_in_a_full_stop() -> None:
+    from util import real_tokenizer
+
+    from whisper_cli.tokenizer import Tokenizer
+
+    for name, multilingual in (("tiny.en", False), ("base", True)):
+        tok = Tokenizer(real_tokenizer(name), multilingual=multilingual)
+        ends = set(tok.sentence_ends())
+        for text in (".", "?", "!", '."', "...", "?)"):
+            (token,) = tok.encode_text(text)
+            assert token in ends, (name, text)
+        for text in (" curtain", " left", ",", " Mr", ";"):
+            (token,) = tok.encode_text(text)
+            assert token not in ends, (name, text)
+        assert 100 < len(ends) < 200 and max(ends) < tok.special.eot
+    assert tok.encode_text("。")[0] in ends  # base's: a CJK full stop
 
 
 def test_speech_before_timestamps_counts_speech_in_timestamp_steps() -> None:

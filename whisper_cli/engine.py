@@ -541,7 +541,12 @@ class Engine:
                 [r.speech if r.speech is not None else empty for r in rows],
                 self.n_timestamps,
                 p.min_speech_seconds,
-                [p.cut_end_slack_seconds if r.cut_off else p.end_slack_seconds for r in rows],
+                [
+                    (p.cut_end_slack_seconds,) * 2
+                    if r.cut_off
+                    else (p.open_end_slack_seconds, p.end_slack_seconds)
+                    for r in rows
+                ],
                 self.model.device,
             )
         return DecodeState.start(

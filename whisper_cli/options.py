@@ -110,6 +110,21 @@ class Policy:
     # last utterance, dated 0.99 s early by tiny.en with the map off, is written twice
     # (a duplicate is the lesser fault). Speech after a pause always counts.
     end_slack_seconds: float = 0.5
+    # ... where the text written so far ends a sentence (its last text token ends in ".",
+    # "?", "!" or another script's full stop, tokenizer.SENTENCE_MARKS): an utterance the
+    # model takes for finished. Text that stops mid-sentence ("... behind the curtain" with
+    # "on the left" still running) is not an utterance's end dated early, and gets
+    # open_end_slack_seconds. scripts/calibrate_speech.py ends (the corpus above, map off
+    # and no hold), the last text of each window: of those that end a sentence (tiny.en
+    # 47, base 83), 11 had speech running on after them by more than 0.3 s (up to 2.0 s),
+    # 6 of them with every word there and 2 more with their last sentence whole (base:
+    # "... called him back." and "... auf dem Tisch.", 0.74 s each); of those that do not
+    # (tiny.en 31, base 56), every one with speech running on past 0.1 s had left words
+    # out at its end (base: a word list's last word at 0.32 and 0.42 s, paragraphs cut
+    # short at 1.9 and 4.7 s). Measured loss without it: base on 10 min of the shared
+    # clips in another order, a window ended "... behind the curtain" with "on the left"
+    # (0.72 s of speech) unwritten and no other window holding it. So: no slack.
+    open_end_slack_seconds: float = 0.0
     # ... and of a window's last stretch where the window's end cut it off (a stretch too
     # long for one window, cut at a short pause, or the input's end: windows.Window.cut_off).
     # There the model leaves words out (it learnt to omit an utterance that runs past its
@@ -187,6 +202,7 @@ class Policy:
             "text_min_speech_seconds",
             "text_speech_margin_seconds",
             "end_slack_seconds",
+            "open_end_slack_seconds",
             "cut_end_slack_seconds",
             "segment_speech_seconds",
             "segment_speech_per_token_seconds",

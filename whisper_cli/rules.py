@@ -22,12 +22,19 @@ from whisper_cli.tokenizer import TIME_PRECISION
 NEG_INF = float("-inf")
 
 
+# The bits of SpeechGrid.after: the decode may not end at timestamp t while its text is
+# open (its last text token ends no sentence), or while it ends one.
+HELD_OPEN, HELD_ENDED = 1, 2
+
+
 @dataclass(frozen=True)
 class SpeechGrid:
     """A batch's speech map on the timestamp grid (TIME_PRECISION steps), for the rules
     that keep a decode from passing over speech; (B, n_ts) each."""
 
-    after: torch.Tensor  # bool: speech the decode has not reached lies after timestamp t
+    # uint8: HELD_OPEN | HELD_ENDED where speech the decode has not reached lies after
+    # timestamp t, counted with the row's slack for open text, for text that ends a sentence
+    after: torch.Tensor
     before: torch.Tensor  # int64: speech before timestamp t, in TIME_PRECISION steps
 
     @classmethod
@@ -36,16 +43,21 @@ class SpeechGrid:
         maps: list[np.ndarray],
         n_timestamps: int,
         min_seconds: float,
-        slack_seconds: list[float],
+        slack_seconds: list[tuple[float, float]],
         device: torch.device,
     ) -> SpeechGrid:
         """The grid of windows' speech maps (speech.FRAME_SECONDS frames, bool): see
-        speech_after_timestamps (min_seconds, each row's slack_seconds) and
-        speech_before_timestamps."""
-        after = np.zeros((len(maps), n_timestamps), dtype=bool)
+        speech_after_timestamps (min_seconds, each row's slacks: for open text, for text
+        that ends a sentence) and speech_before_timestamps."""
+        after = np.zeros((len(maps), n_timestamps), dtype=np.uint8)
         before = np.zeros((len(maps), n_timestamps), dtype=np.int64)
-        for r, (speech, slack) in enumerate(zip(maps, slack_seconds, strict=True)):
-            after[r] = speech_after_timestamps(speech, n_timestamps, min_seconds, slack)
+        for r, (speech, (open_slack, ended_slack)) in enumerate(
+            zip(maps, slack_seconds, strict=True)
+        ):
+            held = speech_after_timestamps(speech, n_timestamps, min_seconds, open_slack)
+            after[r] = np.where(held, HELD_OPEN, 0)
+            held = speech_after_timestamps(speech, n_timestamps, min_seconds, ended_slack)
+            after[r] |= np.where(held, HELD_ENDED, 0).astype(np.uint8)
             before[r] = speech_before_timestamps(speech, n_timestamps)
         return cls(torch.from_numpy(after).to(device), torch.from_numpy(before).to(device))
 
@@ -86,6 +98,9 @@ class Rules:
     timestamp_begin: int
     timestamps: bool
     skip: SkipLimits | None  # None: timestamps may pass over any speech
+    # (V,) bool: the text tokens that end a sentence (tokenizer.sentence_ends), for the
+    # no-end rule's slack (SpeechGrid.after)
+    sentence_end: torch.Tensor
 
     def tensors(self) -> list[torch.Tensor]:
         """The device tensors, which a compiled step reads beside the state and caches."""
@@ -117,6 +132,7 @@ class Rules:
             # First token: a timestamp no later than the checkpoint's initial limit.
             last_initial = ts_begin + gen.max_initial_timestamp_index
             begin_suppress |= (vocab < ts_begin) | (vocab > last_initial)
+        sentence_end = mask(tuple(loaded.tokenizer.sentence_ends())) if timestamps else vocab < 0
         return cls(
             never=suppress.nonzero()[:, 0],
             first_suppress=begin_suppress,
@@ -125,6 +141,7 @@ class Rules:
             timestamp_begin=ts_begin,
             timestamps=timestamps,
             skip=skip,
+            sentence_end=sentence_end,
         )
 
 
@@ -193,9 +210,14 @@ def apply_rules(
     if speech_after is not None:
         # The model ends a window early when it takes the last utterance for one that
         # runs on past the window, and after a pause it often ends wrongly: while the
-        # speech map holds speech after the row's latest timestamp it may not end.
+        # speech map holds speech after the row's latest timestamp it may not end, with
+        # the slack of text that ends a sentence where its last text token (before the
+        # closing timestamp: `opened`) does, else that of open text (SpeechGrid.after).
         latest = (max_ts - ts_begin).clamp(min=0)
-        speech_left = last_ts & speech_after.gather(1, latest[:, None])[:, 0]
+        held = speech_after.gather(1, latest[:, None])[:, 0]  # (B,) uint8
+        ended = opened & rules.sentence_end[penult.clamp(min=0)]
+        bit = torch.where(ended, HELD_ENDED, HELD_OPEN).to(held.dtype)
+        speech_left = last_ts & (held & bit).bool()
         eot_logit.masked_fill_(speech_left, NEG_INF)
     # If the timestamps together are likelier than any text token, emit a timestamp:
     # log-sum-exp(timestamps) > max(text) in log-probs, the row's normaliser cancels.
