@@ -316,3 +316,15 @@ def test_a_repeat_in_plausible_time_or_other_words_is_kept(tok, second) -> None:
     verdict = judge(window([(0.0, 3.0)]), [row(tok, pieces)], POLICY, tok)
     assert texts(verdict) == ["No, no.", "No, you." if other else "No, no."]
     assert verdict.repetitive == 0
+
+
+def test_a_repeat_is_timed_against_the_speech_under_what_it_repeats(tok) -> None:
+    """base dated "on the left." over 3.4 s that held 0.8 s of speech and a pause, then
+    heard the same three words said again in 1.0 s: against the span (--no-vad, no map
+    to read) that is under a third and dropped; against the speech under it, kept."""
+    pieces = [(0.0, 3.36, " on the left.", -0.2), (10.0, 11.0, " on the left.", -0.2)]
+    w = window([(0.0, 0.8), (10.0, 10.72)], seconds=12.0)
+    verdict = judge(w, [row(tok, pieces)], POLICY, tok)
+    assert texts(verdict) == ["on the left."] * 2 and verdict.repetitive == 0
+    spans = judge(w, [row(tok, pieces)], POLICY, tok, use_map=False)
+    assert texts(spans) == ["on the left."] and spans.repetitive == 1

@@ -14,6 +14,7 @@ sentence, and audio with no speech at all is never decoded in the first place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from whisper_cli.decoding import DecodedRow
@@ -128,21 +129,27 @@ def over_non_speech(
     return logprob < policy.logprob_threshold or row.no_speech_prob > policy.no_speech_threshold
 
 
-def repeats_too_fast(segment: Segment, earlier: list[Segment], policy: Policy) -> bool:
+def repeats_too_fast(
+    segment: Segment,
+    earlier: list[Segment],
+    policy: Policy,
+    took: Callable[[Segment], float] = lambda s: s.end - s.start,
+) -> bool:
     """Whether the segment says the words of an earlier stretch of kept segments again
     (one segment, or consecutive ones: the decoder splits a sentence where it likes), in
-    under policy.repeat_min_span_fraction of the time those segments took (their own
-    spans summed: a pause between them is no time spent saying the words)."""
+    a span under policy.repeat_min_span_fraction of the time those segments took to say
+    (`took` of each, summed: a pause between them, or inside one's span, is no time spent
+    saying the words; by default their spans)."""
     words = _words(segment.text)
     span = segment.end - segment.start
     for first in range(len(earlier)):
         said: list[str] = []
-        took = 0.0
+        seconds = 0.0
         for e in earlier[first:]:
             said += _words(e.text)
-            took += e.end - e.start
+            seconds += took(e)
             if len(said) >= len(words):  # more segments only add words
-                if said == words and span < policy.repeat_min_span_fraction * took:
+                if said == words and span < policy.repeat_min_span_fraction * seconds:
                     return True
                 break
     return False
@@ -180,6 +187,18 @@ def judge(
     if needs_fallback(attempts[-1], texts[-1], policy) and len(attempts) < len(policy.temperatures):
         return Judgement(final=False)
     row = best(window, attempts, texts, policy, tokenizer.special.timestamp_begin)
+
+    def took(segment: Segment) -> float:
+        """The time a kept segment took to say: the speech under it (its span holds the
+        pauses the model dates into it: base dated "on the left." 3.4 s over 0.8 s of
+        speech, then the same three words, said again in 1.0 s, read as a repeat in under
+        a third of that); its span where the map is not used."""
+        if not use_map:
+            return segment.end - segment.start
+        return window.speech_seconds_between(
+            segment.start - window.start, segment.end - window.start
+        )
+
     kept: list[Segment] = []
     repetitive = dropped = 0
     for piece in text_pieces(row.tokens, tokenizer.special.timestamp_begin, window.duration):
@@ -198,7 +217,7 @@ def judge(
         if segment.compression_ratio > policy.compression_ratio_threshold:
             repetitive += 1  # a loop that survived every temperature
             continue
-        if repeats_too_fast(segment, kept, policy):
+        if repeats_too_fast(segment, kept, policy, took):
             repetitive += 1  # one repeat too many, squeezed into what time was left
             continue
         logprobs = row.token_logprobs[piece.tokens]

@@ -166,8 +166,11 @@ class Policy:
     compression_ratio_threshold: float = 2.4
     # A segment that repeats an earlier segment of its window word for word (or consecutive
     # ones: base with int8 weights split the sentence it then repeated into 9 s and 2 s) is
-    # dropped when its span is under this fraction of their spans summed: the same words
-    # said in a third of the time are the decoder counting one repeat too many, not speech.
+    # dropped when its span is under this fraction of the speech under them (the map's;
+    # their spans with --no-vad): the same words said in a third of the time are the
+    # decoder counting one repeat too many, not speech. (Their spans hold pauses: base
+    # dated "on the left." over 3.4 s for 0.8 s of speech, and the same words said again
+    # in 1.0 s were lost.)
     # Measured: base wrote jfk's 22-word sentence once more in the 0.58 s left of a window
     # after saying it in 11 s (0.05), and a sixth wizard sentence into the last 1.0 s of
     # five said 5 s apart (0.2); eSpeak's repeats (calibrate_speech.py --only repeats),
