@@ -240,7 +240,7 @@ def test_compiled_step_inputs_have_fixed_addresses_on_cuda(random_dirs, monkeypa
         )
         engine._static_state(state, caches)
     rules = engine.rules.tensors()
-    assert len(rules) == 4  # never, first_suppress, ts_index, sentence_end
+    assert len(rules) == 4  # never, first_suppress, ts_index, held_bit
     state_tensors = [t for t in vars(state).values() if isinstance(t, torch.Tensor)]
     assert len(state_tensors) >= 7
     inputs = [*rules, *caches.tensors(), *state_tensors]

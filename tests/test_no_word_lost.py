@@ -282,12 +282,13 @@ FULL_STOP = 13  # the text token of _rules's vocabulary that ends a sentence
 def _rules(skip):
     """Rules over a vocabulary of 100 text tokens (end-of-text 50, FULL_STOP ending a
     sentence) and 30 s of timestamps."""
-    from whisper_cli.rules import Rules
+    from whisper_cli.rules import HELD_ENDED, HELD_OPEN, Rules
 
     n_ts, ts_begin = 1501, 100
     vocab = ts_begin + n_ts
     never = torch.zeros(0, dtype=torch.long)  # suppressed: none, also at a first token
-    sentence_end = torch.arange(vocab) == FULL_STOP
+    held_bit = torch.full((vocab,), HELD_OPEN, dtype=torch.uint8)
+    held_bit[FULL_STOP] = HELD_ENDED
     return Rules(
         never,
         torch.zeros(vocab, dtype=torch.bool),
@@ -296,7 +297,7 @@ def _rules(skip):
         ts_begin,
         True,
         skip,
-        sentence_end,
+        held_bit,
     )
 
 

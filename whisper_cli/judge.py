@@ -133,13 +133,13 @@ def repeats_too_fast(
     segment: Segment,
     earlier: list[Segment],
     policy: Policy,
-    took: Callable[[Segment], float] = lambda s: s.end - s.start,
+    took: Callable[[Segment], float],
 ) -> bool:
     """Whether the segment says the words of an earlier stretch of kept segments again
     (one segment, or consecutive ones: the decoder splits a sentence where it likes), in
     a span under policy.repeat_min_span_fraction of the time those segments took to say
     (`took` of each, summed: a pause between them, or inside one's span, is no time spent
-    saying the words; by default their spans)."""
+    saying the words)."""
     words = _words(segment.text)
     span = segment.end - segment.start
     for first in range(len(earlier)):

@@ -117,7 +117,7 @@ class Policy:
     # open_end_slack_seconds. scripts/calibrate_speech.py ends (the corpus above, map off
     # and no hold), the last text of each window: of those that end a sentence (tiny.en
     # 47, base 83), 11 had speech running on after them by more than 0.3 s (up to 2.0 s),
-    # 6 of them with every word there and 2 more with their last sentence whole (base:
+    # 5 of them with every word there and 2 more with their last sentence whole (base:
     # "... called him back." and "... auf dem Tisch.", 0.74 s each); of those that do not
     # (tiny.en 31, base 56), every one with speech running on past 0.1 s had left words
     # out at its end (base: a word list's last word at 0.32 and 0.42 s, paragraphs cut

@@ -51,13 +51,12 @@ class SpeechGrid:
         that ends a sentence) and speech_before_timestamps."""
         after = np.zeros((len(maps), n_timestamps), dtype=np.uint8)
         before = np.zeros((len(maps), n_timestamps), dtype=np.int64)
-        for r, (speech, (open_slack, ended_slack)) in enumerate(
-            zip(maps, slack_seconds, strict=True)
-        ):
-            held = speech_after_timestamps(speech, n_timestamps, min_seconds, open_slack)
-            after[r] = np.where(held, HELD_OPEN, 0)
-            held = speech_after_timestamps(speech, n_timestamps, min_seconds, ended_slack)
-            after[r] |= np.where(held, HELD_ENDED, 0).astype(np.uint8)
+        for r, (speech, slacks) in enumerate(zip(maps, slack_seconds, strict=True)):
+            held = {
+                s: speech_after_timestamps(speech, n_timestamps, min_seconds, s) for s in slacks
+            }
+            for bit, slack in zip((HELD_OPEN, HELD_ENDED), slacks, strict=True):
+                after[r] |= np.where(held[slack], bit, 0).astype(np.uint8)
             before[r] = speech_before_timestamps(speech, n_timestamps)
         return cls(torch.from_numpy(after).to(device), torch.from_numpy(before).to(device))
 
@@ -98,9 +97,10 @@ class Rules:
     timestamp_begin: int
     timestamps: bool
     skip: SkipLimits | None  # None: timestamps may pass over any speech
-    # (V,) bool: the text tokens that end a sentence (tokenizer.sentence_ends), for the
-    # no-end rule's slack (SpeechGrid.after)
-    sentence_end: torch.Tensor
+    # (V,) uint8: the bit of SpeechGrid.after that holds a decode whose last text token is
+    # this one: HELD_ENDED for the tokens that end a sentence (tokenizer.sentence_ends),
+    # HELD_OPEN for every other
+    held_bit: torch.Tensor
 
     def tensors(self) -> list[torch.Tensor]:
         """The device tensors, which a compiled step reads beside the state and caches."""
@@ -132,7 +132,9 @@ class Rules:
             # First token: a timestamp no later than the checkpoint's initial limit.
             last_initial = ts_begin + gen.max_initial_timestamp_index
             begin_suppress |= (vocab < ts_begin) | (vocab > last_initial)
-        sentence_end = mask(tuple(loaded.tokenizer.sentence_ends())) if timestamps else vocab < 0
+        held_bit = torch.full_like(vocab, HELD_OPEN, dtype=torch.uint8)
+        if timestamps:
+            held_bit[mask(tuple(loaded.tokenizer.sentence_ends()))] = HELD_ENDED
         return cls(
             never=suppress.nonzero()[:, 0],
             first_suppress=begin_suppress,
@@ -141,7 +143,7 @@ class Rules:
             timestamp_begin=ts_begin,
             timestamps=timestamps,
             skip=skip,
-            sentence_end=sentence_end,
+            held_bit=held_bit,
         )
 
 
@@ -215,8 +217,7 @@ def apply_rules(
         # closing timestamp: `opened`) does, else that of open text (SpeechGrid.after).
         latest = (max_ts - ts_begin).clamp(min=0)
         held = speech_after.gather(1, latest[:, None])[:, 0]  # (B,) uint8
-        ended = opened & rules.sentence_end[penult.clamp(min=0)]
-        bit = torch.where(ended, HELD_ENDED, HELD_OPEN).to(held.dtype)
+        bit = torch.where(opened, rules.held_bit[penult.clamp(min=0)], HELD_OPEN)  # uint8
         speech_left = last_ts & (held & bit).bool()
         eot_logit.masked_fill_(speech_left, NEG_INF)
     # If the timestamps together are likelier than any text token, emit a timestamp:
