@@ -714,9 +714,17 @@ def test_a_plan_times_once_and_writes_the_cache(tmp_path, monkeypatch):
     assert key.endswith("|attention/bf16/decode/H2xT1xStextxD16/none")
     assert f"threads={torch.get_num_threads()}" in key and kernels.cpu_model() in key
     assert set(entry["ms"]) == set(kernels.attention_candidates("decode", torch.bfloat16))
-    ms = entry["ms"]
-    fastest = min(ms, key=ms.get)
-    assert entry["choice"] == (fastest if ms[fastest] < 0.95 * ms["sdpa"] else "sdpa")
+    # A step's class is chosen among the candidates that give each row what it gets alone
+    # (those checked are recorded): on Zen 4 SDPA passes in bf16; on a Xeon with AMX
+    # (model 207) SDPA, matmul and blocked do not, and fused is chosen however it times.
+    ms, checked = entry["ms"], entry["rows_alike"]
+    assert checked[entry["choice"]] is True
+    passed = [name for name, ok in checked.items() if ok]
+    fastest = min(passed, key=ms.get)
+    if checked.get("sdpa"):
+        assert entry["choice"] == (fastest if ms[fastest] < 0.95 * ms["sdpa"] else "sdpa")
+    else:
+        assert entry["choice"] == fastest
     assert plan.choices == {key.split("|")[-1]: entry["choice"]}
 
     # The same class (S 40 and 50: the text's keys), in this plan and in the next one: no
