@@ -1,7 +1,7 @@
 """Where an eager decode step's time goes on this CPU, by kind of work.
 
     python scripts/step_profile.py [--model models/tiny.en] [--dtype f32]
-        [--quantize none|int8] [--audio ten.wav] [--batch 16] [--json]
+        [--quantize none|int8] [--audio ten.wav] [--batch 16] [--top N] [--json]
 
 Decodes one batch of `--batch` 30 s windows of `--audio` (English; the first windows of
 the file) with the engine as `transcribe` runs it (rows drop out as they finish), first
@@ -19,6 +19,8 @@ under torch.profiler. Prints the timed run's milliseconds per step and per row-s
 
 Profiling adds a little to each op, so the groups' sum exceeds the timed step: read
 them as shares. Time nothing else beside it (two cores: other work shows up here).
+--top N also lists the N ops (by name and input shapes) that took the most, each with its
+group and calls: what a group's time is made of (e.g. a transposing copy of the logits).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def main() -> None:
     parser.add_argument("--quantize", default="none", choices=("none", "int8"))
     parser.add_argument("--audio", default=str(REPO.parent / "shared" / "audio" / "jfk.flac"))
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--top", type=int, default=0, help="list the N heaviest ops")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -121,11 +124,15 @@ def main() -> None:
         engine.run(kept)
     config = loaded.config
     per_group: dict[str, float] = defaultdict(float)
+    ops = []  # (ms per step, group, name, input shapes, calls)
     for event in prof.key_averages(group_by_input_shape=True):
         group = group_of(
             event.key, event.input_shapes, config.max_source_positions, config.vocab_size
         )
-        per_group[group] += event.self_cpu_time_total / 1e3 / steps  # ms per step
+        ms = event.self_cpu_time_total / 1e3 / steps
+        per_group[group] += ms
+        ops.append((ms, group, event.key, event.input_shapes, event.count))
+    top = sorted(ops, key=lambda op: op[0], reverse=True)[: args.top]
     report = {
         "model": loaded.name,
         "dtype": args.dtype,
@@ -140,6 +147,12 @@ def main() -> None:
         "run_s": round(wall, 3),
         "profile_ms_per_step": {g: round(per_group.get(g, 0.0), 2) for g in GROUPS},
     }
+    if top:
+        report["top_ops"] = [
+            {"op": name, "shapes": shapes, "group": group, "ms_per_step": round(ms, 3),
+             "calls": calls}
+            for ms, group, name, shapes, calls in top
+        ]  # fmt: skip
     if args.json:
         print(json.dumps(report))
         return
@@ -155,6 +168,10 @@ def main() -> None:
     print("| group | ms a step (profiled) | share |\n|---|---|---|")
     for g in GROUPS:
         print(f"| {g} | {per_group.get(g, 0.0):.2f} | {per_group.get(g, 0.0) / total:.0%} |")
+    if top:
+        print("\n| op | input shapes | group | ms a step | calls |\n|---|---|---|---|---|")
+        for ms, group, name, shapes, calls in top:
+            print(f"| {name} | {shapes} | {group} | {ms:.3f} | {calls} |")
 
 
 def _cpu() -> str:
