@@ -17,7 +17,8 @@ engine has it do, against each row its own; keys stored as the model stores them
 the C library; decode self-attention over
 240 cache slots, the encoder's self-attention 1500 x 1500 per window (B 1; a batch of 16
 windows costs 16x), the tied vocabulary projection at M 16 (one token of 16 rows),
-V 51865, the MLP's first layer (C -> 4C) at one window's 1536 rows and at one token of
+V 51865 (each call after a flush of the CPU's caches, as a plan times it), the MLP's
+first layer (C -> 4C) at one window's 1536 rows and at one token of
 16 rows, and the encoder's second convolution (C -> C, stride 2) on one window. The best
 rate is GFLOP/s for the encoder's kernels, GB/s of K and V (or of the weight) read for
 the rest.
@@ -153,11 +154,13 @@ def planned(op: str, dtype: torch.dtype, shape: tuple, weight=None) -> str:
     return plan.choice(op, dtype, *shape)
 
 
-def row(case, reps: int) -> str:
-    """Time every implementation, ask a plan, and format the rest of a table row."""
+def row(case, reps: int, cold: bool = False) -> str:
+    """Time every implementation, ask a plan, and format the rest of a table row. cold:
+    each call after a flush of the CPU's caches, as the plan times the vocabulary
+    projection (kernels.COLD_CACHE_FACTOR)."""
     impls, choose, (work, unit), shape, ref = case
     kernels.TIMING_REPS = reps
-    times = kernels.time_candidates(impls)
+    times = kernels.time_candidates(impls, kernels.cache_flush() if cold else None)
     pick = choose()
     cells = ", ".join(f"{n} {ms:.2f}{'' if full else '*'}" for n, (ms, full) in times.items())
     best_ms = min(ms for ms, _ in times.values())
@@ -205,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                         case = shared_case(heads, DTYPES[dname])
                     else:
                         case = attention_case(kernel, heads, DTYPES[dname])
-                    print(f"| {kernel} | {model} | {dname} | {row(case, args.reps)}", flush=True)
+                    cells = row(case, args.reps, cold=kernel == "logits")
+                    print(f"| {kernel} | {model} | {dname} | {cells}", flush=True)
     print(
         f"\n{time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at end. "
         "`*`: one warm-up call only (4x slower than the best warm-up). ref/pick: the "

@@ -294,7 +294,9 @@ def test_a_step_over_the_texts_keys_gives_each_row_its_own_sums(tmp_path, monkey
     native_built()
     fast_sdpa = {"sdpa": (0.1, True), "matmul": (1.0, True), "blocked": (1.0, True)}
     fast_sdpa["fused"] = (1.0, True)
-    monkeypatch.setattr(kernels, "time_candidates", lambda runs: {n: fast_sdpa[n] for n in runs})
+    monkeypatch.setattr(
+        kernels, "time_candidates", lambda runs, before=None: {n: fast_sdpa[n] for n in runs}
+    )
     calls = [call("attention", 6, 1, s, 64, "none") for s in (100, 1500)]
     plan = plan_of(calls, torch.float32)
     saved = {key.split("|")[-1]: entry for key, entry in entries(tmp_path / "kernels.json").items()}
@@ -744,6 +746,53 @@ def test_a_choice_among_some_is_the_fastest_of_them():
     assert kernels._fastest_of(times, []) == "a"  # none is: all are
 
 
+def test_each_timed_call_comes_after_its_flush_and_without_its_time():
+    calls = []
+
+    def flush():
+        calls.append("flush")
+        time.sleep(0.02)
+
+    runs = {"ref": lambda: calls.append("ref"), "other": lambda: calls.append("other")}
+    times = kernels.time_candidates(runs, flush)
+    assert all(timed and ms < 20 for ms, timed in times.values())  # no flush's 20 ms in
+    assert set(calls[0::2]) == {"flush"} and "flush" not in calls[1::2]
+    assert len(calls) >= 2 * len(runs) * (1 + kernels.TIMING_REPS)  # warm-ups and rounds
+
+
+def test_only_the_vocabulary_projection_is_timed_with_the_caches_flushed(monkeypatch):
+    """A step reads the tied projection's weight once, after the cross-attention has
+    streamed every row's keys and values through the cache: its classes are timed with
+    the weight out of the cache; the other GEMMs as before."""
+    flushes = {}
+
+    def record(runs, before=None):
+        flushes["logits" if "weight-first" in runs else "linear"] = before
+        return {n: (1.0, True) for n in runs}
+
+    monkeypatch.setattr(kernels, "time_candidates", record)
+    monkeypatch.setattr(kernels, "largest_cache_bytes", lambda: 1 << 20)
+    monkeypatch.setitem(kernels._PACKABLE, torch.float32, True)  # linear timed beside packed
+    logits, linear = torch.randn(300, 32), torch.randn(48, 32)
+    plan_of([call("logits", 300, 32, weight=logits)], torch.float32)
+    plan_of([call("linear", 48, 32, "tokens", weight=linear)], torch.float32)
+    assert flushes["linear"] is None
+    buffer = flushes["logits"].__self__  # the flush reads this buffer whole
+    assert buffer.numel() * buffer.element_size() == kernels.COLD_MIN_BYTES
+    assert flushes["logits"]().item() == 0.0
+
+
+def test_a_flush_reads_past_the_largest_cache(tmp_path):
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "307200K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert kernels.largest_cache_bytes(tmp_path) == 300 << 20
+    assert kernels.largest_cache_bytes(tmp_path / "absent") is None
+    assert kernels.flush_bytes(300 << 20) == 375 << 20
+    assert kernels.flush_bytes(None) == kernels.flush_bytes(1 << 20) == kernels.COLD_MIN_BYTES
+    assert kernels.flush_bytes(4 << 30) == kernels.COLD_MAX_BYTES
+
+
 def test_gemms_over_tokens_are_chosen_among_those_computing_rows_alike(tmp_path, monkeypatch):
     """A candidate whose result for a row changes with the rows beside it (faked: at 3
     rows) is never chosen for text tokens, however fast, and the cache names the ones
@@ -762,7 +811,7 @@ def test_gemms_over_tokens_are_chosen_among_those_computing_rows_alike(tmp_path,
     monkeypatch.setattr(kernels, "_linear_packed", packed_odd_at_3)
     monkeypatch.setitem(kernels.LINEAR, "linear", exact)
     fast_packed = {"linear": (1.0, True), "packed": (0.1, True)}
-    monkeypatch.setattr(kernels, "time_candidates", lambda runs: fast_packed)
+    monkeypatch.setattr(kernels, "time_candidates", lambda runs, before=None: fast_packed)
     weight = torch.randn(48, 32)
     calls = [call("linear", 48, 32, rows, weight=weight) for rows in ("tokens", "frames")]
     plan = plan_of(calls, torch.float32)
@@ -1214,7 +1263,9 @@ def test_the_kernels_a_row_runs_do_not_depend_on_its_batch(
 
     draw = random.Random(0)
     monkeypatch.setattr(
-        kernels, "time_candidates", lambda runs: {n: (draw.random(), True) for n in runs}
+        kernels,
+        "time_candidates",
+        lambda runs, before=None: {n: (draw.random(), True) for n in runs},
     )
     loaded = load_model(str(random_dir), resolve_policy(dtype, "cpu", quantize))
     model = loaded.model

@@ -198,7 +198,9 @@ def test_each_int8_layer_holds_the_forms_its_plan_chose_and_a_forward_makes_none
     kernels_mode("auto")
     cache = tmp_path / "kernels.json"
     with monkeypatch.context() as patch:
-        patch.setattr(kernels, "time_candidates", lambda runs: {n: (1.0, True) for n in runs})
+        patch.setattr(
+            kernels, "time_candidates", lambda runs, before=None: {n: (1.0, True) for n in runs}
+        )
         int8_model("tiny.en")
     data = json.loads(cache.read_text())
     rows_of = {"tokens": "weight-only", "frames": "onednn"}

@@ -125,7 +125,18 @@ TIMING_MARGIN = 0.95
 # with its batch. 2^19 outputs is 86 draws there (missed with odds ~0.78^86, 3e-10), one
 # for the vocabulary projection; a float32 check shows every difference in one draw.
 CHECK_OUTPUTS = 1 << 19
-CACHE_VERSION = 7  # a file of another version is read as empty (its choices timed again)
+# The tied vocabulary projection is timed with its weight out of the cache, as a step
+# finds it: between two steps the cross-attention streams every row's keys and values
+# through the cache (tiny.en f32, batch 16: 295 MB against an 80 MB weight). Timed with
+# the weight cached, the plan took "weight-first" for tiny.en f32 on a 2-core Xeon with
+# AMX (family 6 model 207, 300 MiB L3: 3.49 against packed's 4.19 ms), where packed made
+# the run's steps faster (17.2 -> 14.9 and 22.0 -> 19.1 ms, alternating, the same text).
+# Before each of its calls the timing reads COLD_CACHE_FACTOR times the CPU's largest
+# cache: at least COLD_MIN_BYTES (also where sysfs gives no size), at most COLD_MAX_BYTES.
+COLD_CACHE_FACTOR = 1.25
+COLD_MIN_BYTES = 64 << 20
+COLD_MAX_BYTES = 1 << 30
+CACHE_VERSION = 8  # a file of another version is read as empty (its choices timed again)
 
 
 # --- attention implementations ------------------------------------------------------
@@ -1133,6 +1144,8 @@ class _Op:
     # Ops with `runs` whose classes check rows: whether a candidate computes them alike,
     # (name, class, dtype, device) -> bool.
     alike: Callable[[str, ShapeClass, torch.dtype, torch.device], bool] | None = None
+    # Whether each timed call finds the caches flushed (see COLD_CACHE_FACTOR).
+    cold: bool = False
 
 
 # Every op the plan decides, by one mechanism: a class per call, a choice per class.
@@ -1146,7 +1159,9 @@ OPS: dict[str, _Op] = {
             ATTENTION[name], cls.timing[:5], dtype, device
         ),
     ),
-    "logits": _Op(_logits_shape, fns=lambda cands, dtype, weight: _logits_fns(cands, weight)),
+    "logits": _Op(
+        _logits_shape, fns=lambda cands, dtype, weight: _logits_fns(cands, weight), cold=True
+    ),
     "linear": _Op(_linear_shape, fns=lambda cands, dtype, weight: _linear_fns(cands, weight)),
     "int8-linear": _Op(_int8_shape, fns=lambda cands, dtype, weight: _int8_fns(cands, weight)),
     "conv1d": _Op(
@@ -1370,18 +1385,24 @@ def _machine() -> str:
     return _MACHINE
 
 
-def _call_s(fn: Callable[[], object]) -> float:
+def _call_s(fn: Callable[[], object], before: Callable[[], object] | None = None) -> float:
+    if before is not None:
+        before()  # not timed
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
-def time_candidates(candidates: Runs) -> dict[str, tuple[float, bool]]:
+def time_candidates(
+    candidates: Runs, before: Callable[[], object] | None = None
+) -> dict[str, tuple[float, bool]]:
     """name -> (ms, timed): the fastest of its timed calls, or (its warm-up, False) for a
-    candidate dropped after it. The protocol of every choice (see TIMING_REPS)."""
+    candidate dropped after it. The protocol of every choice (see TIMING_REPS). before:
+    called ahead of every call, outside its time (see cache_flush)."""
     _warm_allocator()
+    call_s = functools.partial(_call_s, before=before)
     with torch.no_grad():
-        warm = {name: _call_s(fn) for name, fn in candidates.items()}
+        warm = {name: call_s(fn) for name, fn in candidates.items()}
         again: set[str] = set()  # warmed up twice (a kernel made in its first call)
         while True:  # until every one over the cutoff has had its second warm-up
             cut = TIMING_CUTOFF * min(warm.values())
@@ -1389,22 +1410,54 @@ def time_candidates(candidates: Runs) -> dict[str, tuple[float, bool]]:
             if not over:
                 break
             for name in over:
-                warm[name] = min(warm[name], _call_s(candidates[name]))
+                warm[name] = min(warm[name], call_s(candidates[name]))
             again.update(over)
         timed = {name: math.inf for name in candidates if warm[name] <= cut}
         rounds, spent = 0, 0.0
         while rounds < TIMING_MAX_REPS and (rounds < TIMING_REPS or spent < TIMING_MIN_S):
             for name in timed:
-                elapsed = _call_s(candidates[name])
+                elapsed = call_s(candidates[name])
                 timed[name] = min(timed[name], elapsed)
                 spent += elapsed
             rounds += 1
     return {n: (timed[n] * 1e3, True) if n in timed else (warm[n] * 1e3, False) for n in warm}
 
 
-def _time(candidates: Runs) -> dict[str, float]:
-    """Every candidate's ms (the first is the reference)."""
-    return {name: ms for name, (ms, _) in time_candidates(candidates).items()}
+def _time(candidates: Runs, cold: bool = False) -> dict[str, float]:
+    """Every candidate's ms (the first is the reference); cold: each call with the CPU's
+    caches flushed first (see COLD_CACHE_FACTOR)."""
+    if not cold:
+        return {name: ms for name, (ms, _) in time_candidates(candidates).items()}
+    flush = cache_flush()
+    return {name: ms for name, (ms, _) in time_candidates(candidates, flush).items()}
+
+
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def largest_cache_bytes(caches: Path = CPU_CACHES) -> int | None:
+    """The size of the CPU's largest cache, from Linux's sysfs (cpu0's), or None."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for entry in caches.glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            text = entry.read_text().strip()  # "48K", "2048K", "307200K"
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=None)
+
+
+def cache_flush() -> Callable[[], object]:
+    """A call that reads a buffer of COLD_CACHE_FACTOR times the largest cache through the
+    CPU's caches, leaving none of what was there before (the buffer is made and touched
+    once, here, and dropped with the call)."""
+    buffer = torch.zeros(flush_bytes(largest_cache_bytes()) // 4)
+    return buffer.sum
+
+
+def flush_bytes(cached: int | None) -> int:
+    """The bytes a flush reads where the largest cache holds `cached` (None: unknown)."""
+    size = COLD_MIN_BYTES if cached is None else int(cached * COLD_CACHE_FACTOR)
+    return min(max(size, COLD_MIN_BYTES), COLD_MAX_BYTES)
 
 
 def _fastest_of(times: dict[str, float], among: Iterable[str] | None = None) -> str:
@@ -1440,7 +1493,7 @@ def _measure(op: _Op, cls: ShapeClass, dtype: torch.dtype, weight: Tensor | None
             fresh = (torch.randn(shape, device=x.device, generator=g) for _ in range(more))
             draws = [x, *(r.to(dtype) for r in fresh)]
             check = lambda name: _rows_alike(fns[name], draws)  # noqa: E731
-    times = _time(runs)
+    times = _time(runs, cold=op.cold)
     ms = {n: round(t, 3) for n, t in times.items()}
     if check is None:
         return {"choice": _fastest_of(times), "ms": ms}
