@@ -14,12 +14,12 @@ real one).
 Shapes: decode cross-attention B 16 x 1 query x 1500 keys; the same with SHARED of the 16
 rows one window's attempts (the fused kernel reading their keys and values once, as the
 engine has it do, against each row its own; keys stored as the model stores them), from
-the C library; decode self-attention over
-240 cache slots, the encoder's self-attention 1500 x 1500 per window (B 1; a batch of 16
-windows costs 16x), the tied vocabulary projection at M 16 (one token of 16 rows),
-V 51865 (each call after a flush of the CPU's caches, as a plan times it), the MLP's
-first layer (C -> 4C) at one window's 1536 rows and at one token of
-16 rows, and the encoder's second convolution (C -> C, stride 2) on one window. The best
+the C library; decode self-attention over 240 cache slots, the encoder's self-attention
+1500 x 1500 per window (B 1; a batch of 16 windows costs 16x), the tied vocabulary
+projection at M 16 (one token of 16 rows), V 51865 (each call after a flush of the CPU's
+caches, as a plan times it), the MLP's first layer (C -> 4C) at one window's 1536 rows
+and at one token of 16 rows, and the encoder's second convolution (C -> C, stride 2) on
+one window. The best
 rate is GFLOP/s for the encoder's kernels, GB/s of K and V (or of the weight) read for
 the rest.
 """

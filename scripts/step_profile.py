@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=0, help="list the N heaviest ops")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.top < 0:
+        parser.error("--top takes a count of ops, 0 or more")
 
     keep_freed_memory()  # as the CLI does: without it every (B, V) tensor is faulted in anew
     policy = DtypePolicy(DTYPE_NAMES[args.dtype], torch.device("cpu"), args.quantize)

@@ -130,7 +130,8 @@ CHECK_OUTPUTS = 1 << 19
 # through the cache (tiny.en f32, batch 16: 295 MB against an 80 MB weight). Timed with
 # the weight cached, the plan took "weight-first" for tiny.en f32 on a 2-core Xeon with
 # AMX (family 6 model 207, 300 MiB L3: 3.49 against packed's 4.19 ms), where packed made
-# the run's steps faster (17.2 -> 14.9 and 22.0 -> 19.1 ms, alternating, the same text).
+# the run faster (10 min, whole process, alternating, the same text: 8.40 / 8.00 -> 7.52 /
+# 7.41 s; README, Speed).
 # Before each of its calls the timing reads COLD_CACHE_FACTOR times the CPU's largest
 # cache: at least COLD_MIN_BYTES (also where sysfs gives no size), at most COLD_MAX_BYTES.
 COLD_CACHE_FACTOR = 1.25
@@ -1442,7 +1443,9 @@ def largest_cache_bytes(caches: Path = CPU_CACHES) -> int | None:
     for entry in caches.glob("index*/size"):
         with contextlib.suppress(OSError, ValueError, KeyError):
             text = entry.read_text().strip()  # "48K", "2048K", "307200K"
-            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+            if text:
+                unit = units.get(text[-1])
+                sizes.append(int(text[:-1]) * unit if unit else int(text))
     return max(sizes, default=None)
 
 
