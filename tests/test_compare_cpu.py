@@ -1,0 +1,81 @@
+"""scripts/compare_cpu.py's arithmetic: the start clip's command, the time past start-up
+against the baseline's, and the issue-20 lines that print it beside the whole-process
+targets (the timed runs themselves need the peers' environment: run by hand)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from util import REPO
+
+
+@pytest.fixture(scope="module")
+def compare_cpu():
+    path = REPO / "scripts" / "compare_cpu.py"
+    spec = importlib.util.spec_from_file_location("compare_cpu", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["compare_cpu"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["compare_cpu"]
+
+
+def test_the_start_clip_replaces_only_the_audio_argument(compare_cpu):
+    wav, clip = Path("/tmp/x/speech.wav"), Path("/tmp/x/start.wav")
+    cmd = ["python", "-m", "whisper_cli", "transcribe", str(wav), "--model", "m", "-q"]
+    assert compare_cpu.clip_command(cmd, wav, clip) == [
+        "python", "-m", "whisper_cli", "transcribe", str(clip), "--model", "m", "-q",
+    ]  # fmt: skip
+    peer = ["peer", "-c", "code", "ct2/tiny.en", "int8", str(wav), "2"]
+    assert compare_cpu.clip_command(peer, wav, clip)[5] == str(clip)
+    with pytest.raises(ValueError, match="not an argument"):
+        compare_cpu.clip_command(["python", "-c", "code", "other.wav"], wav, clip)
+
+
+def test_time_past_start_up_is_against_the_baselines_own(compare_cpu):
+    # 12.3 s whole, 2.4 s of it start-up; the baseline 10.9 s, 1.05 s of it start-up.
+    assert compare_cpu.beyond_start(12.3, 2.4, 10.9, 1.05) == round(9.9 / 9.85, 2)
+    assert compare_cpu.beyond_start(9.1, 2.2, 10.9, 1.05) == 0.7
+    # A baseline whose clip took as long as its whole run has nothing to compare with.
+    assert compare_cpu.beyond_start(5.0, 1.0, 1.0, 1.0) is None
+    assert compare_cpu.beyond_start(5.0, 1.0, 1.0, 1.2) is None
+
+
+def _row(impl, dtype, wall, ratio, start=None, beyond=None, peak=1000, wer=1.0):
+    return {
+        "impl": impl,
+        "model": "tiny.en",
+        "dtype": dtype,
+        "wall_s": wall,
+        "ratio": ratio,
+        "start_s": start,
+        "beyond_ratio": beyond,
+        "peak_mb": peak,
+        "wer": wer,
+    }
+
+
+def test_issue_20_lines_print_the_time_past_start_up_beside_the_target(compare_cpu):
+    rows = [
+        _row("whisper-cli", "f32", 12.3, 1.13, 2.4, 1.01, peak=1345, wer=1.46),
+        _row("whisper-cli", "f32+int8", 9.1, 0.84, 2.2, 0.7, peak=1209, wer=1.32),
+        _row("fw-batched", "int8", 10.9, 1.0, 1.05, 1.0, peak=1447, wer=15.5),
+    ]
+    lines = compare_cpu.issue20_verdicts(rows, native_bf16=True)
+    f32 = next(line for line in lines if "tiny.en f32:" in line)
+    int8 = next(line for line in lines if "tiny.en f32+int8:" in line)
+    # The whole-process verdicts are unchanged; the time past start-up is not judged.
+    assert "1.13x fw-batched int8 (<= 1.0x: NOT met)" in f32
+    assert "1.01x past start-up (a 2.4 s start against 1.05 s)" in f32
+    assert "0.84x fw-batched int8 (<= 0.75x: NOT met)" in int8
+    assert "0.7x past start-up (a 2.2 s start against 1.05 s)" in int8
+    assert "met)" not in f32.split("past start-up")[1]
+    # Without a start clip (--start-clip 0) the lines are as before.
+    bare = [
+        _row("whisper-cli", "f32", 12.3, 1.13, peak=1345, wer=1.46),
+        _row("fw-batched", "int8", 10.9, 1.0, peak=1447, wer=15.5),
+    ]
+    assert not any("start-up" in line for line in compare_cpu.issue20_verdicts(bare, True))
