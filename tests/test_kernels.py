@@ -722,11 +722,7 @@ def test_a_plan_times_once_and_writes_the_cache(tmp_path, monkeypatch):
     ms, checked = entry["ms"], entry["rows_alike"]
     assert checked[entry["choice"]] is True
     passed = [name for name, ok in checked.items() if ok]
-    fastest = min(passed, key=ms.get)
-    if checked.get("sdpa"):
-        assert entry["choice"] == (fastest if ms[fastest] < 0.95 * ms["sdpa"] else "sdpa")
-    else:
-        assert entry["choice"] == fastest
+    assert entry["choice"] == kernels._fastest_of(ms, passed)
     assert plan.choices == {key.split("|")[-1]: entry["choice"]}
 
     # The same class (S 40 and 50: the text's keys), in this plan and in the next one: no
