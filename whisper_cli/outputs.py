@@ -196,7 +196,9 @@ class OutputStream:
         self._render(transcript.path, state, transcript, True)
         state.ended = True
         written = []
-        for out in state.files.values():
+        # Commit in the plan's order, not the order the temp files were opened (json's
+        # opens last, at the end): `--format all` leaves its last format last on disk.
+        for out in (state.files[f] for f in self.plan.formats if f in state.files):
             try:
                 out.commit()
             except OSError as exc:
