@@ -30,6 +30,7 @@ import typer.core
 from whisper_cli import __version__
 from whisper_cli.allocator import keep_freed_memory
 from whisper_cli.batch import ENGINES
+from whisper_cli.collector import long_lived
 from whisper_cli.errors import (
     EXIT_BROKEN_PIPE,
     EXIT_INPUT_FAILED,
@@ -676,9 +677,12 @@ def _transcribe(request: _Request, options: RunOptions, term: _Terminal) -> int:
 
 def _run(options: RunOptions, tally: _Tally, errors, files) -> None:
     """Open every input (and so validate it) before the model loads, then decode them."""
-    from whisper_cli.audio import open_audio
-    from whisper_cli.dtypes import resolve_policy
-    from whisper_cli.errors import InputError
+    with long_lived():  # torch's import: see collector.py
+        from whisper_cli.audio import open_audio
+        from whisper_cli.dtypes import resolve_policy
+        from whisper_cli.errors import InputError
+        from whisper_cli.outputs import OutputStream
+        from whisper_cli.pipeline import Transcriber
 
     policy = resolve_policy(options.dtype, options.device, options.quantize)
     decoding = options.for_device(policy.device.type)
@@ -695,16 +699,12 @@ def _run(options: RunOptions, tally: _Tally, errors, files) -> None:
     term = tally.term
     known = all(s.info.duration for s in sources)
     total = sum(s.info.duration or 0.0 for s in sources) if known else None
-    from whisper_cli.outputs import OutputStream
-
     tally.stream = OutputStream(
         tally.plan, [s.info.path for s in sources], lambda text: _write_stdout(term, text)
     )
     try:
         with term.progress(len(sources), total):
             loaded = _load(options.model, policy, term, decoding)
-            from whisper_cli.pipeline import Transcriber
-
             transcriber = Transcriber(loaded, decoding)
             tally.multilingual = loaded.tokenizer.is_multilingual
             transcriber.run(
