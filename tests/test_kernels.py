@@ -1483,6 +1483,17 @@ def test_int8_weight_is_per_channel_symmetric_with_bf16_scales():
     assert (q.abs().amax(dim=1)[torch.arange(64) != 5] >= 126).all()  # the range is used
 
 
+def test_int8_weight_leaves_a_float32_source_as_it_was():
+    """Its float32 rows are the source's own memory (.float() copies nothing): a float32
+    checkpoint's token embedding, the model's too, must come out unchanged."""
+    from whisper_cli.dtypes import int8_weight
+
+    w = torch.randn(8, 16, generator=torch.Generator().manual_seed(12))
+    before = w.clone()
+    int8_weight(w)
+    assert torch.equal(w, before)
+
+
 @pytest.mark.parametrize("lead", [(16, 1), (2, 300)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_each_int8_linear_matches_float64(dtype, lead):

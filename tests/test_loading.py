@@ -56,6 +56,15 @@ def test_f16_checkpoint_loads_into_f32(tmp_path):
     assert {p.dtype for p in loaded.model.parameters()} == {torch.float32}
 
 
+def test_int8_from_a_float32_checkpoint_keeps_the_token_embedding(model_dir):
+    """The embedding is both the decoder's input table (cast: the checkpoint's own tensor
+    in f32) and the int8 output projection's source; quantizing must not touch it."""
+    loaded = load_model(str(model_dir), resolve_policy("f32", "cpu", "int8"))
+    embedding = load_file(model_dir / "model.safetensors")["model.decoder.embed_tokens.weight"]
+    assert embedding.dtype == torch.float32
+    assert torch.equal(loaded.model.decoder.embed_tokens.weight, embedding)
+
+
 def test_missing_key_is_named(broken):
     edit_weights(broken, lambda s: s.pop("model.decoder.layers.1.fc2.bias"))
     with pytest.raises(WhisperCliError, match=r"missing key\(s\): decoder.layers.1.fc2.bias"):
