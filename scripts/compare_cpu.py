@@ -468,9 +468,10 @@ def main() -> None:
         texts: dict[tuple, str] = {}
         # Bytecode for this checkout, as pip writes it for an installed wheel (the peers'
         # packages have theirs): where PYTHONDONTWRITEBYTECODE is set, as on the
-        # development VM, each process would otherwise compile whisper_cli's 14 thousand
-        # lines again, ~0.1 s of every run that no installed user pays.
-        compileall.compile_dir(REPO / "whisper_cli", quiet=1)
+        # development VM, each process would otherwise compile again the 12 thousand
+        # lines of whisper_cli a transcribe imports, ~0.09 s that no installed user pays.
+        if not compileall.compile_dir(REPO / "whisper_cli", quiet=1):
+            print("warning: whisper_cli did not all compile to bytecode", file=sys.stderr)
         for _ in range(args.warmup):
             for run in runs:
                 wall, _, _ = timed(run.cmd, env)

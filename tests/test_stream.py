@@ -111,8 +111,8 @@ def test_files_are_written_through_temp_files_renamed_at_the_end(tmp_path: Path)
     assert len(temps) == len(FORMATS) - 1  # json has nothing before the end
     written = stream.finish(a)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"a.{f}" for f in FORMATS)
-    # Committed in FORMATS order although json's file opened last: a resumed run or a
-    # reader that sees the last format on disk can count on the others.
+    # Committed in FORMATS order although json's file opened last: within a run, an
+    # input's last format on disk means its others are committed.
     assert written == [tmp_path / f"a.{f}" for f in FORMATS]
     for fmt in FORMATS:
         assert (tmp_path / f"a.{fmt}").read_text() == render(a, fmt)

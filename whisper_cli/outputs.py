@@ -197,7 +197,8 @@ class OutputStream:
         state.ended = True
         written = []
         # Commit in the plan's order, not the order the temp files were opened (json's
-        # opens last, at the end): `--format all` leaves its last format last on disk.
+        # opens last, at the end): within a run, an input's last format on disk means
+        # its others are committed (what an interrupted run's caller can count on).
         for out in (state.files[f] for f in self.plan.formats if f in state.files):
             try:
                 out.commit()
