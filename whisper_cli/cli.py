@@ -30,7 +30,7 @@ import typer.core
 from whisper_cli import __version__
 from whisper_cli.allocator import keep_freed_memory
 from whisper_cli.batch import ENGINES
-from whisper_cli.collector import import_long_lived
+from whisper_cli.collector import start_up_imports
 from whisper_cli.errors import (
     EXIT_BROKEN_PIPE,
     EXIT_INPUT_FAILED,
@@ -677,7 +677,7 @@ def _transcribe(request: _Request, options: RunOptions, term: _Terminal) -> int:
 
 def _run(options: RunOptions, tally: _Tally, errors, files) -> None:
     """Open every input (and so validate it) before the model loads, then decode them."""
-    import_long_lived("whisper_cli.pipeline")  # and so torch: see collector.py
+    start_up_imports("whisper_cli.pipeline")  # and so torch: see collector.py
     from whisper_cli.audio import open_audio
     from whisper_cli.dtypes import resolve_policy
     from whisper_cli.errors import InputError
