@@ -236,12 +236,12 @@ def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     scale = torch.empty(n, dtype=torch.float32, device=weight.device)
     for r0 in range(0, n, INT8_BLOCK_ROWS):
-        # .float() of a float32 weight is the weight itself: nothing here writes to it
-        # (a float32 checkpoint's token embedding is also the model's, assigned at load).
-        w = weight[r0 : r0 + INT8_BLOCK_ROWS].detach().float()
+        # A copy even of float32 rows (the one temporary, divided in place): a float32
+        # checkpoint's token embedding is also the model's, assigned at load.
+        w = weight[r0 : r0 + INT8_BLOCK_ROWS].detach().to(torch.float32, copy=True)
         amax = w.abs().amax(dim=1)
         s = torch.where(amax > 0, amax / 127, 1.0).to(torch.bfloat16).float()
-        q[r0 : r0 + len(w)] = torch.round(w / s[:, None]).clamp_(-127, 127)
+        q[r0 : r0 + len(w)] = torch.round(w.div_(s[:, None])).clamp_(-127, 127)
         scale[r0 : r0 + len(w)] = s
     return q, scale
 
