@@ -1,11 +1,11 @@
 """Python's cyclic garbage collector while a process imports torch.
 
-Importing torch and the pipeline makes some 150 thousand objects (modules, functions,
-classes) that live as long as the process, and little garbage (some 7 thousand
-unreachable objects, under 1 MB). The collector, run after every 700 new containers,
-scans the long-lived ones again and again as they pile up: in a `transcribe` of a 2 s
-clip (tiny.en), 491 collections took 170 ms, three of them full scans of 55 to 170
-thousand objects (14, 37 and 59 ms). With the imports made while it is paused, and what
+Importing torch and the pipeline makes some 160 thousand objects (modules, functions,
+classes) that live as long as the process, and little garbage (7 thousand unreachable
+objects, 640 KiB). The collector, run after every 700 new containers, scans the
+long-lived ones again and again as they pile up: in a `transcribe` of a 2 s clip
+(tiny.en), 491 collections took 170 ms, three of them full scans of 55 to 170 thousand
+objects (14, 37 and 59 ms). With the imports made while it is paused, and what
 they made then frozen (gc.freeze: left out of every later collection, still freed by
 reference counting), 167 collections took 17-22 ms, and the median of the whole run
 went from 2.36 to 2.16 s (eight alternating runs each; 2-core Intel Xeon with AMX).
