@@ -297,11 +297,13 @@ class Attention(nn.Module):
         Why cached at all: a step could attend over the encoder output itself, the query
         taken through k_proj's weight (q W_k) and the weighted sum through v_proj's after
         it (k_proj has no bias, the softmax sums to 1), and hold no K/V. It reads the same
-        bytes (the (S, C) output twice a layer, for K and V) from a working set H times as
-        small, which could stay in the CPU's cache, for H times the arithmetic. Measured
-        against the fused kernel over these caches (a C prototype of it, f32, 16 rows, one
-        step's layers, Intel Xeon with AMX, 2 cores): tiny.en's shape 8.3-11.6 against
-        10.1-14.4 ms, within this VM's spread; base's 37.6-40.0 against 22-30 ms. Not used.
+        bytes (the (S, C) output twice a layer, for K and V) from a working set 2 x layers
+        times as small (one output serves every layer), which could stay in the CPU's
+        cache, for H times the arithmetic. Measured against the fused kernel over these
+        caches (a C prototype, f32, 16 rows, one step's layers, alternating, Intel Xeon
+        with AMX, 2 cores): tiny.en's shape 9.6-13.2 ms (its C kernel alone 8.3-11.6)
+        against 10.1-14.4 ms, within this VM's spread; base's 37.6-40.0 against 22-30 ms.
+        Not used.
         """
         k, v = (self.split_heads(p(audio)) for p in (self.k_proj, self.v_proj))
         if cross_keys_transposed(k.dtype, k.device):
