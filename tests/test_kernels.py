@@ -1765,7 +1765,7 @@ def test_the_widened_int8_product_is_the_same_on_every_vector_path(
     float64 product as the float32 sums (f32) or the one rounding to the dtype (bf16)
     allow; on rows with a stride of their own, into an output with one (its columns past
     N untouched), N not a multiple of the packing's columns, with a bias and without, and
-    1 to 17 rows (every count a tile of 8 or 4 rows can leave)."""
+    1 to 17 rows (every count a tile of 16 or 4 rows can leave)."""
     weight, scale, bias = int8_layer(n=83, k=37, seed=21)
     bias = bias.to(dtype)
     prepared = kernels.int8_form("widened", weight, scale)
