@@ -212,6 +212,9 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.rows = rows
 
+    def reset_parameters(self) -> None:
+        pass  # filled by the strict load (nn.Linear draws random values, as Table says)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias, self.plan, self.rows)
 
@@ -225,6 +228,9 @@ class Conv1d(nn.Conv1d):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         assert self.dilation == (1,) and self.groups == 1 and self.padding_mode == "zeros"
+
+    def reset_parameters(self) -> None:
+        pass  # filled by the strict load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         stride, padding = self.stride[0], self.padding[0]
