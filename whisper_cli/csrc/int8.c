@@ -132,7 +132,8 @@ int64_t int8_matmul_columns(void) { return MATMUL_COLUMNS; }
 /* 16 rows: a decode step's batch in one tile, each widened weight register serving 16
  * multiply-adds, 16 sums in flight (of the 32 registers). Against 8 rows, microseconds a
  * call (Intel Xeon with AMX, 2 threads; K x N at 16 rows, then 11): 384 x 1536 116 -> 109
- * and 71 -> 55, 512 x 2048 144 -> 132 and 122 -> 95; at 4 rows and 1 the same. */
+ * and 71 -> 55, 512 x 2048 144 -> 132 and 122 -> 95, but 2048 x 512 143 -> 149 and 120 ->
+ * 94; at 4 rows and 1 the same. */
 #define MATMUL_ROWS 16
 #define MATMUL_TILE(MB, LOAD, STORE)                                                       \
     {                                                                                      \
