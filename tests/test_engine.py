@@ -362,16 +362,16 @@ def test_caches_select_and_compact_rows_in_their_own_layout():
         assert torch.equal(t, new[[4, 1, 5, 3]]) and t.stride() == new.stride()
 
 
-def test_keys_by_column_hold_the_keys_values_in_column_order():
-    """model.by_column copies a block of frames at a time: every frame, the last partial
-    block's too, lands where a whole transposing copy puts it, stored (B, H, D, S)."""
-    from whisper_cli.model import BY_COLUMN_FRAMES, by_column
+def test_copy_by_column_keeps_every_key_in_column_order():
+    """model.copy_by_column copies a block of frames at a time: every frame, the last
+    partial block's too, lands where a whole transposing copy puts it, stored (B, H, D, S)."""
+    from whisper_cli.model import BY_COLUMN_FRAMES, copy_by_column
 
     g = torch.Generator().manual_seed(0)
     for frames in (1, BY_COLUMN_FRAMES, 2 * BY_COLUMN_FRAMES + 5):
         x = torch.randn(3, frames, 4 * 6, generator=g)  # (B, S, C), C = H * D
         keys = x.view(3, frames, 4, 6).transpose(1, 2)  # (B, H, S, D), as split_heads
-        got = by_column(keys)
+        got = copy_by_column(keys)
         assert got.shape == keys.shape and torch.equal(got, keys)
         assert got.mT.is_contiguous() and got.dtype == keys.dtype
 

@@ -51,12 +51,13 @@ def cross_keys_transposed(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.float32
 
 
-# Frames a block of by_column's copy reads: 64 frames of a row are 96-320 KiB (C 384 to
-# 1280 in float32), which stay in a core's L2 while their columns are written out.
+# Frames a block of copy_by_column reads: 64 frames of a row are 96-320 KiB (C 384 to 1280
+# in float32), which stay in a core's L2 while their columns are written out. (Whether a
+# tensor is stored so is kernels.by_column.)
 BY_COLUMN_FRAMES = 64
 
 
-def by_column(k: torch.Tensor) -> torch.Tensor:
+def copy_by_column(k: torch.Tensor) -> torch.Tensor:
     """(B, H, S, D) -> the same values stored (B, H, D, S), seen as (B, H, S, D).
 
     Copied a block of frames at a time: a transposing copy of the whole (S, C) of a row
@@ -335,7 +336,7 @@ class Attention(nn.Module):
         """
         k, v = (self.split_heads(p(audio)) for p in (self.k_proj, self.v_proj))
         if cross_keys_transposed(k.dtype, k.device):
-            return by_column(k), v.contiguous()
+            return copy_by_column(k), v.contiguous()
         return k.contiguous(), v.contiguous()
 
 
