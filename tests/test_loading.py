@@ -45,6 +45,20 @@ def test_loads_and_casts_once(model_dir):
     assert loaded.model.device.type == "cpu"
 
 
+def test_a_load_draws_no_random_values(model_dir, monkeypatch):
+    """Every layer with a random init at construction (nn.Embedding, nn.Linear,
+    nn.Conv1d) is a model.FromCheckpoint: the load draws nothing that the strict load
+    then overwrites."""
+    drawn = []
+    for name in ("normal_", "uniform_", "kaiming_uniform_"):
+        real = getattr(torch.nn.init, name)
+        monkeypatch.setattr(
+            torch.nn.init, name, lambda *a, _n=name, _f=real, **k: drawn.append(_n) or _f(*a, **k)
+        )
+    loaded = load_model(str(model_dir), F32)
+    assert drawn == [] and loaded.model.encoder.conv1.weight.device.type == "cpu"
+
+
 def test_f16_checkpoint_loads_into_f32(tmp_path):
     d = make_random_model(
         tmp_path / "h", real_tokenizer("tiny.en"), vocab_size=51864, d_model=32, dtype="float16"
