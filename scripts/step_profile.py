@@ -58,34 +58,53 @@ GROUPS = (
     "norms and activations",
     "other",
 )
-_ATTENTION = ("attention", "sdpa", "bmm", "baddbmm", "softmax")
-_LINEAR = ("mm", "addmm", "linear", "qlinear", "linear_dynamic", "int8pack", "mkldnn")
-_RULES = (
-    "masked_fill", "where", "argmax", "amax", "exp", "logsumexp", "sub", "gather",
-    "log_softmax", "cumsum", "eq", "ge", "lt", "gt", "le", "logical", "any", "all",
-    "clamp", "sum", "max", "lerp", "ne", "bitwise", "rsub", "div", "index_fill",
-)  # fmt: skip
-_CACHES = ("index_copy", "index_select", "index_put", "copy_", "clone", "cat", "stack")
-_NORMS = ("layer_norm", "gelu", "add", "mul")  # matched anywhere in the name
+# Ops by their base name (aten::_log_softmax and aten::add_ are log_softmax and add),
+# compared whole: a prefix or substring match takes gelu for a rule ("ge") and
+# log_softmax for attention ("softmax").
+_ATTENTION = {"bmm", "baddbmm", "softmax"}  # and scaled_dot_product_*
+_LINEAR = {"mm", "addmm", "linear", "matmul"}  # and any qlinear, int8pack or mkldnn op
+_LINEAR_PARTS = ("qlinear", "linear_dynamic", "int8pack", "mkldnn")
+_CACHES = {"index_copy", "index_select", "index_put", "index_put_impl", "copy", "clone", "cat",
+           "stack"}  # fmt: skip
+_RULES = {
+    "masked_fill", "where", "argmax", "amax", "exp", "logsumexp", "log_softmax", "sub",
+    "gather", "cumsum", "eq", "ge", "lt", "gt", "le", "logical_or", "logical_and",
+    "logical_not", "any", "all", "clamp", "sum", "max", "lerp", "ne", "bitwise_and",
+    "bitwise_or", "bitwise_not", "rsub", "div", "index_fill",
+}  # fmt: skip
+_NORMS = {"layer_norm", "native_layer_norm", "gelu"}
+_ELEMENTWISE = {"add", "mul"}  # the residual stream's, or a rule's over the logits
 
 
 def group_of(name: str, shapes: list, n_audio: int, vocab: int) -> str:
     """The group of a profiled op, from its name and its inputs' shapes."""
     if name.startswith(FUSED_RANGE):  # the C decode attention: no shapes, its keys named
         return "cross-attention" if name == f"{FUSED_RANGE}{n_audio}" else "self-attention"
-    op = name.split("::")[-1]
+    op = name.split("::")[-1].strip("_")
     dims = {d for s in shapes if isinstance(s, list) for d in s}
-    if any(a in op for a in _ATTENTION):
+    if op in _ATTENTION or op.startswith("scaled_dot_product"):
         return "cross-attention" if n_audio in dims else "self-attention"
-    if any(op == a or a in op for a in _LINEAR):
+    if op in _LINEAR or any(part in op for part in _LINEAR_PARTS):
         return "logits" if vocab in dims else "linear layers"
-    if any(op.startswith(a) for a in _CACHES):
+    if op in _CACHES:
         return "caches and row drops"
-    if any(op.startswith(a) for a in _RULES):
+    if op in _ELEMENTWISE:
+        # A rule adds over a row of the logits or of the timestamps (n_audio + 1 columns at
+        # least); the residual stream's rows are the model's width, under n_audio.
+        row = max((_numel(s[1:]) for s in shapes if isinstance(s, list) and s), default=0)
+        return "rules and choice" if row > n_audio else "norms and activations"
+    if op in _RULES:
         return "rules and choice"
-    if any(a in op for a in _NORMS):
+    if op in _NORMS:
         return "norms and activations"
     return "other"
+
+
+def _numel(dims: list) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
 
 
 def main() -> None:

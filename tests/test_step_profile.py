@@ -1,0 +1,56 @@
+"""scripts/step_profile.py's grouping of profiled ops: each op by its whole base name
+(a prefix match once took gelu for a rule and log_softmax for attention), an add by the
+width of its rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+from util import REPO
+
+N_AUDIO, VOCAB = 1500, 51864
+
+
+@pytest.fixture(scope="module")
+def group_of():
+    path = REPO / "scripts" / "step_profile.py"
+    spec = importlib.util.spec_from_file_location("step_profile", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["step_profile"] = module
+    spec.loader.exec_module(module)
+    yield lambda name, shapes: module.group_of(name, shapes, N_AUDIO, VOCAB)
+    del sys.modules["step_profile"]
+
+
+@pytest.mark.parametrize(
+    ("name", "shapes", "group"),
+    [
+        ("aten::gelu", [[16, 1, 1536], []], "norms and activations"),
+        ("aten::native_layer_norm", [[16, 1, 384], [], [384], [384], []], "norms and activations"),
+        ("aten::add", [[16, 1, 384], [16, 1, 384], []], "norms and activations"),
+        ("aten::_log_softmax", [[16, VOCAB], [], []], "rules and choice"),
+        ("aten::add_", [[16, 50256], [16, 1], []], "rules and choice"),
+        ("aten::exp_", [[16, 1501]], "rules and choice"),
+        ("aten::ge", [[16], []], "rules and choice"),
+        ("aten::_softmax", [[16, 6, 1, N_AUDIO], [], []], "cross-attention"),
+        ("aten::bmm", [[96, 1, 64], [96, 64, 12]], "self-attention"),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu", [[16, 6, 1, 64], [16, 6, 12, 64]],
+         "self-attention"),
+        ("onednn::qlinear_pointwise", [[16, 384], [], [], [384, VOCAB]], "logits"),
+        ("onednn::qlinear_pointwise", [[16, 384], [], [], [384, 384]], "linear layers"),
+        ("aten::copy_", [[16, 6, 64, 64], [16, 6, 64, 64], []], "caches and row drops"),
+        ("aten::_index_put_impl_", [[16, N_AUDIO, 384], []], "caches and row drops"),
+        ("aten::empty", [[], [], []], "other"),
+    ],
+)  # fmt: skip
+def test_each_op_falls_in_its_group(group_of, name, shapes, group):
+    assert group_of(name, shapes) == group
+
+
+def test_the_c_decode_attention_is_told_by_its_key_count(group_of):
+    from whisper_cli.kernels import FUSED_RANGE
+
+    assert group_of(f"{FUSED_RANGE}{N_AUDIO}", []) == "cross-attention"
+    assert group_of(f"{FUSED_RANGE}12", []) == "self-attention"
