@@ -329,7 +329,16 @@ class Attention(nn.Module):
         caches (a C prototype, f32, 16 rows, one step's layers, alternating, Intel Xeon
         with AMX, 2 cores): tiny.en's shape 9.6-13.2 ms (its C kernel alone 8.3-11.6)
         against 10.1-14.4 ms, within this VM's spread; base's 37.6-40.0 against 22-30 ms.
-        Not used.
+        A second prototype (AVX-512 only: an online softmax over blocks of 32 frames, the
+        scores of 8 frames by 2 heads a pass, the next block prefetched while this one's
+        weighted sum runs; three refinements), five alternating sets, median of 21 each,
+        the same machine and shapes, its two projections included: tiny.en's 7.8-10.8 ms
+        against 11.0-14.7 (-25 to -31%), base's 21.4-29.2 against 22.5-28.1 (no gain).
+        Base's 8 heads of 512 columns leave it bound by the arithmetic, which ran at 80-120
+        GFLOP/s with the encoder output in cache (SGEMM 230-280 here), and an AVX2 CPU has
+        half the lanes. Not used: a gain for the smallest model alone does not pay for a
+        second kind of cross cache through the engine's row drops, refills and alignment
+        pass.
         """
         k, v = (self.split_heads(p(audio)) for p in (self.k_proj, self.v_proj))
         if cross_keys_transposed(k.dtype, k.device):
