@@ -66,11 +66,13 @@ _LINEAR = {"mm", "addmm", "linear", "matmul"}  # and any qlinear, int8pack or mk
 _LINEAR_PARTS = ("qlinear", "linear_dynamic", "int8pack", "mkldnn")
 _CACHES = {"index_copy", "index_select", "index_put", "index_put_impl", "copy", "clone", "cat",
            "stack"}  # fmt: skip
+# The logit rules, the choice, and the chosen tokens' bookkeeping ("and" is aten::__and__).
 _RULES = {
     "masked_fill", "where", "argmax", "amax", "exp", "logsumexp", "log_softmax", "sub",
     "gather", "cumsum", "eq", "ge", "lt", "gt", "le", "logical_or", "logical_and",
     "logical_not", "any", "all", "clamp", "sum", "max", "lerp", "ne", "bitwise_and",
-    "bitwise_or", "bitwise_not", "rsub", "div", "index_fill",
+    "bitwise_or", "bitwise_not", "rsub", "div", "index_fill", "and", "or", "iand", "ior",
+    "abs", "log", "maximum", "minimum", "remainder", "scatter",
 }  # fmt: skip
 _NORMS = {"layer_norm", "native_layer_norm", "gelu"}
 _ELEMENTWISE = {"add", "mul"}  # the residual stream's, or a rule's over the logits
