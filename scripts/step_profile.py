@@ -62,8 +62,8 @@ GROUPS = (
 # compared whole: a prefix or substring match takes gelu for a rule ("ge") and
 # log_softmax for attention ("softmax").
 _ATTENTION = {"bmm", "baddbmm", "softmax"}  # and scaled_dot_product_*
-_LINEAR = {"mm", "addmm", "linear", "matmul"}  # and any qlinear, int8pack or mkldnn op
-_LINEAR_PARTS = ("qlinear", "linear_dynamic", "int8pack", "mkldnn")
+_LINEAR = {"mm", "addmm", "matmul"}  # and any op with "linear" or "int8pack" in its name
+_LINEAR_PARTS = ("linear", "int8pack")  # mkldnn's _linear_pointwise, onednn's qlinear_...
 _CACHES = {"index_copy", "index_select", "index_put", "index_put_impl", "copy", "clone", "cat",
            "stack"}  # fmt: skip
 # The logit rules, the choice, and the chosen tokens' bookkeeping ("and" is aten::__and__).
