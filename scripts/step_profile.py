@@ -59,8 +59,9 @@ GROUPS = (
     "other",
 )
 # Ops by their base name (aten::_log_softmax and aten::add_ are log_softmax and add),
-# compared whole: a prefix or substring match takes gelu for a rule ("ge") and
-# log_softmax for attention ("softmax").
+# compared whole: a prefix or substring match of short names takes gelu for a rule ("ge")
+# and log_softmax for attention ("softmax"). Only the linear ops are matched by a part,
+# since each backend names its own ("linear" or "int8pack" somewhere in every one).
 _ATTENTION = {"bmm", "baddbmm", "softmax"}  # and scaled_dot_product_*
 _LINEAR = {"mm", "addmm", "matmul"}  # and any op with "linear" or "int8pack" in its name
 _LINEAR_PARTS = ("linear", "int8pack")  # mkldnn's _linear_pointwise, onednn's qlinear_...
