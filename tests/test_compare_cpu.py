@@ -4,23 +4,16 @@ targets (the timed runs themselves need the peers' environment: run by hand)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
-from util import REPO
+from util import script_module
 
 
 @pytest.fixture(scope="module")
 def compare_cpu():
-    path = REPO / "scripts" / "compare_cpu.py"
-    spec = importlib.util.spec_from_file_location("compare_cpu", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["compare_cpu"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["compare_cpu"]
+    with script_module("compare_cpu") as module:
+        yield module
 
 
 def test_the_start_clip_replaces_only_the_audio_argument(compare_cpu):

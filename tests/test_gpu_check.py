@@ -5,7 +5,6 @@ the plan, and the driver killing a stage at its limit with its partial result ke
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 import os
 import re
@@ -17,17 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from util import REPO, real_tokenizer, shared_clip
+from util import REPO, real_tokenizer, script_module, shared_clip
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["gpu_check"]
+    with script_module("gpu_check") as module:
+        yield module
 
 
 def test_parity_stage_on_cpu(gpu_check, tmp_path, monkeypatch):

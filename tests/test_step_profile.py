@@ -4,24 +4,16 @@ width of its rows."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
-from util import REPO
+from util import script_module
 
 N_AUDIO, VOCAB = 1500, 51864
 
 
 @pytest.fixture(scope="module")
 def group_of():
-    path = REPO / "scripts" / "step_profile.py"
-    spec = importlib.util.spec_from_file_location("step_profile", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["step_profile"] = module
-    spec.loader.exec_module(module)
-    yield lambda name, shapes: module.group_of(name, shapes, N_AUDIO, VOCAB)
-    del sys.modules["step_profile"]
+    with script_module("step_profile") as module:
+        yield lambda name, shapes: module.group_of(name, shapes, N_AUDIO, VOCAB)
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,16 @@
-"""Shared test helpers: paths to real data and random-weight Hugging Face model dirs."""
+"""Shared test helpers: paths to real data, random-weight Hugging Face model dirs, and
+scripts/ imported as modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -12,6 +18,20 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_AUDIO = REPO.parent / "shared" / "audio"
 MODELS = REPO / "models"
 IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+@contextmanager
+def script_module(name: str) -> Iterator[ModuleType]:
+    """scripts/<name>.py imported as module `name` while the block runs (registered in
+    sys.modules: a script's dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[name]
 
 
 def jsonl_records(text: str) -> list[dict]:
