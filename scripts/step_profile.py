@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections import defaultdict
@@ -94,20 +95,13 @@ def group_of(name: str, shapes: list, n_audio: int, vocab: int) -> str:
     if op in _ELEMENTWISE:
         # A rule adds over a row of the logits or of the timestamps (n_audio + 1 columns at
         # least); the residual stream's rows are the model's width, under n_audio.
-        row = max((_numel(s[1:]) for s in shapes if isinstance(s, list) and s), default=0)
+        row = max((math.prod(s[1:]) for s in shapes if isinstance(s, list) and s), default=0)
         return "rules and choice" if row > n_audio else "norms and activations"
     if op in _RULES:
         return "rules and choice"
     if op in _NORMS:
         return "norms and activations"
     return "other"
-
-
-def _numel(dims: list) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n
 
 
 def main() -> None:
