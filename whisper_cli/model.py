@@ -322,23 +322,17 @@ class Attention(nn.Module):
 
         Why cached at all: a step could attend over the encoder output itself, the query
         taken through k_proj's weight (q W_k) and the weighted sum through v_proj's after
-        it (k_proj has no bias, the softmax sums to 1), and hold no K/V. It reads the same
-        bytes (the (S, C) output twice a layer, for K and V) from a working set 2 x layers
-        times as small (one output serves every layer), which could stay in the CPU's
-        cache, for H times the arithmetic. Measured against the fused kernel over these
-        caches (a C prototype, f32, 16 rows, one step's layers, alternating, Intel Xeon
-        with AMX, 2 cores): tiny.en's shape 9.6-13.2 ms (its C kernel alone 8.3-11.6)
-        against 10.1-14.4 ms, within this VM's spread; base's 37.6-40.0 against 22-30 ms.
-        A second prototype (AVX-512 only: an online softmax over blocks of 32 frames, the
-        scores of 8 frames by 2 heads a pass, the next block prefetched while this one's
-        weighted sum runs; three refinements), five alternating sets, median of 21 each,
-        the same machine and shapes, its two projections included: tiny.en's 7.8-10.8 ms
-        against 11.0-14.7 (-25 to -31%), base's 21.4-29.2 against 22.5-28.1 (no gain).
-        Base's 8 heads of 512 columns leave it bound by the arithmetic, which ran at 80-120
-        GFLOP/s with the encoder output in cache (SGEMM 230-280 here), and an AVX2 CPU has
-        half the lanes. Not used: a gain for the smallest model alone does not pay for a
-        second kind of cross cache through the engine's row drops, refills and alignment
-        pass.
+        it (k_proj has no bias, the softmax sums to 1), and hold no K/V: one output serves
+        every layer, read once a layer with an online softmax (half the bytes of K and V),
+        for H times the multiply-adds. The best C prototype of it so far (AVX-512, blocks
+        of 32 frames, the next one prefetched; 16 rows, one step's layers, both
+        projections included, alternating, median of 21, Intel Xeon with AMX, 2 cores):
+        tiny.en's shape 7.8-10.8 ms against 11.0-14.7 over these caches, base's 21.4-29.2
+        against 22.5-28.1. Base is bound by the arithmetic (80-120 GFLOP/s with the output
+        in cache, SGEMM 230-280 here), and an AVX2 CPU has half the lanes. Not used: a gain
+        for the smallest model alone does not pay for a second kind of cross cache through
+        the engine's row drops, refills and alignment pass. (README, Speed: an earlier
+        attempt, with other shapes.)
         """
         k, v = (self.split_heads(p(audio)) for p in (self.k_proj, self.v_proj))
         if cross_keys_transposed(k.dtype, k.device):
