@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from whisper_cli.archive import read_tensors
 from whisper_cli.audio import SAMPLE_RATE
 from whisper_cli.errors import WhisperCliError
 
@@ -143,11 +143,10 @@ def silero_archive_path() -> Path:
 
 
 def load_detector(path: Path | None = None) -> SileroVAD:
-    """The detector in float32 on the CPU, strictly loaded from the wheel's default model."""
-    with warnings.catch_warnings():  # torch 2.13 calls TorchScript deprecated
-        warnings.simplefilter("ignore", DeprecationWarning)
-        archive = torch.jit.load(str(path or silero_archive_path()), map_location="cpu")
-    state = {ours: archive.state_dict()[theirs] for theirs, ours in _NAMES.items()}
+    """The detector in float32 on the CPU, strictly loaded from the wheel's default model
+    (its weights read from the archive without TorchScript: archive.py)."""
+    weights = read_tensors(path or silero_archive_path(), tuple(_NAMES))
+    state = {ours: weights[theirs] for theirs, ours in _NAMES.items()}
     model = SileroVAD()
     model.load_state_dict(state, strict=True)
     model.dft_window = dft_window(model.stft_conv.weight)
