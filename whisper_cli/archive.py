@@ -50,6 +50,18 @@ def _as_list(items: Any) -> list:
     return list(items)
 
 
+def _rebuild_tensor(
+    stored: tuple[torch.UntypedStorage, torch.dtype],
+    offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    *_grad_and_hooks: Any,
+) -> torch.Tensor:
+    """What the pickle's torch._utils._rebuild_tensor_v2 builds: a view of a storage."""
+    storage, dtype = stored
+    return torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, archive: zipfile.ZipFile, root: str) -> None:
         super().__init__(io.BytesIO(data))
@@ -60,7 +72,7 @@ class _Unpickler(pickle.Unpickler):
         if module.startswith("__torch__."):
             return _ScriptObject
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return torch._utils._rebuild_tensor_v2
+            return _rebuild_tensor
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
         if module == "torch" and name in _STORAGE_DTYPES:
@@ -70,18 +82,18 @@ class _Unpickler(pickle.Unpickler):
             return _as_list
         raise pickle.UnpicklingError(f"{module}.{name} is no part of a module's weights")
 
-    def persistent_load(self, pid: Any) -> torch.TypedStorage:
+    def persistent_load(self, pid: Any) -> tuple[torch.UntypedStorage, torch.dtype]:
         kind, dtype, key, _location, _numel = pid
         if kind != "storage" or not isinstance(dtype, torch.dtype):
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
         raw = bytearray(self._archive.read(f"{self._root}/data/{key}"))
         # An empty member (a tensor of no elements) has no buffer to wrap.
-        untyped = (
+        storage = (
             torch.frombuffer(raw, dtype=torch.uint8).untyped_storage()
             if raw
             else torch.UntypedStorage(0)
         )
-        return torch.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+        return storage, dtype
 
 
 def read_tensors(path: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -89,13 +101,22 @@ def read_tensors(path: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
     state_dict names them) of the TorchScript archive at `path`, on the CPU."""
     try:
         with zipfile.ZipFile(path) as archive:
-            roots = [n.removesuffix("/data.pkl") for n in archive.namelist() if n.count("/") == 1]
-            roots = [r for r in roots if f"{r}/data.pkl" in archive.namelist()]
+            pickles = [n for n in archive.namelist() if n.count("/") == 1]
+            roots = [n.removesuffix("/data.pkl") for n in pickles if n.endswith("/data.pkl")]
             if len(roots) != 1:
                 raise WhisperCliError(f"{path} is not a TorchScript archive (no one data.pkl)")
             data = archive.read(f"{roots[0]}/data.pkl")
             top = _Unpickler(data, archive, roots[0]).load()
-    except (OSError, zipfile.BadZipFile, KeyError, pickle.UnpicklingError, ValueError) as exc:
+    except (
+        OSError,
+        zipfile.BadZipFile,
+        KeyError,
+        pickle.UnpicklingError,
+        EOFError,
+        TypeError,
+        ValueError,
+        RuntimeError,
+    ) as exc:
         raise WhisperCliError(f"cannot read the tensors of {path}: {exc}") from exc
     tensors = {}
     for name in names:
