@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import warnings
 import zipfile
 from pathlib import Path
@@ -98,3 +99,12 @@ def test_a_file_that_is_no_archive_is_named(tmp_path: Path) -> None:
     missing = tmp_path / "missing.jit"
     with pytest.raises(WhisperCliError, match=r"cannot read the tensors of .*missing\.jit"):
         read_tensors(missing, ("x",))
+
+
+def test_tensors_of_another_byte_order_are_refused(tmp_path: Path) -> None:
+    other = "big" if sys.byteorder == "little" else "little"
+    path = _archive(
+        tmp_path / "other.jit", pickle.dumps({}, protocol=2), {"m/byteorder": other.encode()}
+    )
+    with pytest.raises(WhisperCliError, match=rf"other\.jit holds {other}-endian tensors"):
+        read_tensors(path, ("x",))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,16 @@ def read_tensors(path: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
             roots = [n.removesuffix("/data.pkl") for n in pickles if n.endswith("/data.pkl")]
             if len(roots) != 1:
                 raise WhisperCliError(f"{path} is not a TorchScript archive (no one data.pkl)")
+            # The storages' bytes are used as they are: they must be in this machine's
+            # order (torch records it; files without the record are little-endian).
+            order = f"{roots[0]}/byteorder"
+            stored = "little"
+            if order in archive.namelist():
+                stored = archive.read(order).decode().strip()
+            if stored != sys.byteorder:
+                raise WhisperCliError(
+                    f"{path} holds {stored}-endian tensors; this machine is {sys.byteorder}-endian"
+                )
             data = archive.read(f"{roots[0]}/data.pkl")
             top = _Unpickler(data, archive, roots[0]).load()
     except (
