@@ -68,7 +68,7 @@ def test_a_global_outside_a_module_tree_is_refused(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     path = _archive(tmp_path / "evil.jit", pickle.dumps(_Command(), protocol=2))
-    with pytest.raises(WhisperCliError, match=r"posix\.system is no part of a module's weights"):
+    with pytest.raises(WhisperCliError, match=r"\.system is no part of a module's weights"):
         read_tensors(path, ("x",))
     assert not (tmp_path / "should-not-exist").exists()
 
