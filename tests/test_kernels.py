@@ -734,6 +734,34 @@ def test_a_plan_times_once_and_writes_the_cache(tmp_path, monkeypatch):
     assert entries(tmp_path / "kernels.json") == saved
 
 
+def test_a_plan_holds_for_the_instructions_its_kernels_ran(tmp_path, monkeypatch):
+    """A choice timed (and checked for rows alike) while oneDNN was held to AVX2, or by
+    another build of the C kernels, is not taken where they run other code, nor the
+    other way: each is timed under its own key, and each key is read back untimed."""
+    shape = [call("attention", 2, 1, 40, 16, "none")]
+    build_name = kernels.native.build_name
+    plan_of(shape, torch.bfloat16)
+    (first,) = entries(tmp_path / "kernels.json")
+    cpu = f"cpu={kernels.cpu_model()}|features="
+    assert first.startswith(cpu) and f"|isa={torch.backends.cpu.get_cpu_capability()}|" in first
+    assert "|native=" in first and f"|torch={torch.__version__}|" in first
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert plan_of(shape, torch.bfloat16).timed
+    monkeypatch.setattr(kernels.native, "build_name", lambda _dir: "native-another-build")
+    assert plan_of(shape, torch.bfloat16).timed
+    keys = set(entries(tmp_path / "kernels.json"))
+    assert len(keys) == 3 and first in keys
+    assert sum("|ONEDNN_MAX_CPU_ISA=AVX2|" in key for key in keys) == 2
+    assert sum("|native=native-another-build|" in key for key in keys) == 1
+
+    monkeypatch.setattr(kernels, "time_candidates", no_timing)
+    assert not plan_of(shape, torch.bfloat16).timed
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(kernels.native, "build_name", build_name)
+    assert not plan_of(shape, torch.bfloat16).timed  # the first key, as it was
+
+
 def test_a_choice_among_some_is_the_fastest_of_them():
     times = {"ref": 1.0, "a": 0.5, "b": 0.97}
     assert kernels._fastest_of(times) == "a"

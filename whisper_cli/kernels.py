@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -137,7 +138,7 @@ CHECK_OUTPUTS = 1 << 19
 COLD_CACHE_FACTOR = 1.25
 COLD_MIN_BYTES = 64 << 20
 COLD_MAX_BYTES = 1 << 30
-CACHE_VERSION = 8  # a file of another version is read as empty (its choices timed again)
+CACHE_VERSION = 9  # a file of another version is read as empty (its choices timed again)
 
 
 # --- attention implementations ------------------------------------------------------
@@ -1289,7 +1290,7 @@ def build_plan(
     plan = KernelPlan(mode, device.type, dtype, torch.get_num_threads())
     path = kernels_cache_path() if path is None else path
     cached = _read(path) if mode == "auto" else {}
-    prefix = f"{_machine()}|threads={plan.threads}|"
+    prefix = f"{_machine()}|threads={plan.threads}|" if mode == "auto" else ""
     saved: dict[str, dict] = {}
     shapes: set[tuple] = set()  # calls of layers alike: one class, looked up once
     for call in calls:
@@ -1376,14 +1377,35 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-_MACHINE: str | None = None
+# The variables by which oneDNN and MKL are held to fewer instructions than the CPU has
+# (their own, documented; torch's own limit, ATEN_CPU_CAPABILITY, shows in its capability).
+ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+@functools.cache
+def _cpu_features() -> str:
+    """A digest of this CPU's model and feature flags (read once)."""
+    return hashlib.sha256(native.cpu_digest().encode()).hexdigest()[:12]
 
 
 def _machine() -> str:
-    global _MACHINE
-    if _MACHINE is None:
-        _MACHINE = f"cpu={cpu_model()}|torch={torch.__version__}"
-    return _MACHINE
+    """What a plan's timings hold for, the key of its entries in the cache file: the CPU (a
+    VM may name every generation "Intel(R) Xeon(R) Processor", so its flags' digest too),
+    the instructions torch's, oneDNN's and MKL's kernels are held to, the C kernels' build
+    (a changed source is checked and timed anew) and torch's version. A plan made under
+    other instructions would run choices that were neither timed nor checked (each row
+    computed alike at every row count) for the kernels this process runs."""
+    limits = [f"{name}={os.environ[name]}" for name in ISA_LIMITS if os.environ.get(name)]
+    return "|".join(
+        [
+            f"cpu={cpu_model()}",
+            f"features={_cpu_features()}",
+            f"isa={torch.backends.cpu.get_cpu_capability()}",
+            *limits,
+            f"native={native.build_name(kernels_cache_path().parent / 'native')}",
+            f"torch={torch.__version__}",
+        ]
+    )
 
 
 def _call_s(fn: Callable[[], object], before: Callable[[], object] | None = None) -> float:

@@ -90,7 +90,7 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _cpu_digest() -> str:
+def cpu_digest() -> str:
     """This CPU's model and feature flags (what -march=native compiles for)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -132,8 +132,15 @@ def _path(cache_dir: Path) -> Path | None:
         return None
     parts = [part for source, flags in SOURCES.items() for part in (source.read_text(), *flags)]
     parts += [header.read_text() for header in HEADERS]
-    key = "\n".join([*parts, *LINK_FLAGS, *LIBS, cc, *version, _cpu_digest()])
+    key = "\n".join([*parts, *LINK_FLAGS, *LIBS, cc, *version, cpu_digest()])
     return cache_dir / f"native-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def build_name(cache_dir: Path) -> str:
+    """The name of this machine's library (its digest of sources, flags, compiler and CPU),
+    built or not; "none" where no C compiler works here."""
+    path = _path(cache_dir)
+    return "none" if path is None else path.stem
 
 
 def buildable(cache_dir: Path) -> bool:
