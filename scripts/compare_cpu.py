@@ -47,6 +47,17 @@ Its targets (printed first, met or not): f32 <= 1.0x and f32+int8 <= 0.75x fw-ba
 int8, int8's WER within 0.5 points of f32's and its peak memory below f32's; bf16 <= 1.05x
 f32's time where the CPU has no avx512_bf16 / amx_bf16, <= 0.8x where it has one.
 
+`--isa avx2` holds every row to AVX2 on a CPU that has more (an AVX-512 Zen 4 or Xeon
+standing in for the 2-core Zen 3 that CI and the issues' tables ran on): torch's
+own kernels (ATEN_CPU_CAPABILITY), oneDNN's (ONEDNN_MAX_CPU_ISA), MKL's
+(MKL_ENABLE_INSTRUCTIONS) and CTranslate2's (CT2_FORCE_CPU_ISA), and whisper-cli's C
+kernels, built through a compiler wrapper (.cache/isa-avx2/cc) that compiles for
+x86-64-v3 where they ask for -march=native. The kernel plan and the C kernels' library
+are then the held run's own (their cache keys name the limits and the build). Each
+child's torch is checked to run AVX2 kernels. The memory and caches stay the host's, so
+read its ratios as the instructions' part of the difference, not as the Zen 3's times.
+The bf16 target is then the one for a CPU without native bf16.
+
 Every row also runs, in each round right after its long run, on the first --start-clip
 seconds (default 1) of the same speech: that wall time is the row's start-up (interpreter,
 imports, model load, one window). The table gives its median and the row's time past it
@@ -246,11 +257,11 @@ def cpu_model() -> str:
     )
 
 
-def peer_versions(peer_python: str | None) -> list[str]:
+def peer_versions(peer_python: str | None, env: dict[str, str]) -> list[str]:
     if peer_python is None:
         return ["peers: none (no --peer-python)"]
     done = subprocess.run(
-        [peer_python, "-c", PEER_VERSIONS], capture_output=True, text=True, check=False
+        [peer_python, "-c", PEER_VERSIONS], capture_output=True, text=True, check=False, env=env
     )
     if done.returncode != 0:
         return [f"peers: {peer_python} failed: {done.stderr.strip()[-300:]}"]
@@ -401,6 +412,54 @@ def issue20_verdicts(rows: list[dict], native_bf16: bool) -> list[str]:
     return lines
 
 
+# --isa: the variables that hold each library to those instructions, and the
+# architecture whisper-cli's C kernels are built for in place of -march=native.
+ISA_LIMITS = {
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "CT2_FORCE_CPU_ISA": "AVX2",
+    }
+}
+ISA_MARCH = {"avx2": "x86-64-v3"}
+CC_WRAPPER = """#!/bin/sh
+# {cc} for {isa}: compare_cpu.py --isa {isa} builds whisper-cli's C kernels with it.
+for arg in "$@"; do
+    shift
+    [ "$arg" = "-march=native" ] && arg="-march={march}"
+    set -- "$@" "$arg"
+done
+exec {cc} "$@"
+"""
+
+
+def isa_environment(isa: str, folder: Path) -> dict[str, str]:
+    """The variables that hold every row to `isa`: the libraries' limits, and CC, a wrapper
+    of this machine's C compiler (written into `folder`, kept: its path is part of the C
+    kernels' cache key, so they are built once)."""
+    import shutil
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise SystemExit("--isa: no C compiler to build whisper-cli's C kernels with")
+    folder.mkdir(parents=True, exist_ok=True)
+    wrapper = folder / "cc"
+    wrapper.write_text(CC_WRAPPER.format(cc=cc, isa=isa, march=ISA_MARCH[isa]))
+    wrapper.chmod(0o755)
+    return {**ISA_LIMITS[isa], "CC": str(wrapper)}
+
+
+def check_isa(isa: str, env: dict[str, str]) -> None:
+    """Stop unless a child's torch, under `env`, reports running `isa`'s kernels."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    if done.stdout.strip().lower() != isa:
+        raise SystemExit(f"--isa {isa}: torch runs {done.stdout.strip() or done.stderr[-300:]}")
+
+
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (avx512_bf16 or amx_bf16)."""
     try:
@@ -433,6 +492,12 @@ def main() -> None:
         help="seconds of the speech each row also runs on in every round, its wall time "
         "taken as the row's start-up (import, load, one window); 0: not run",
     )
+    parser.add_argument(
+        "--isa",
+        choices=sorted(ISA_LIMITS),
+        default=None,
+        help="hold every row to these instructions on a CPU that has more (see above)",
+    )
     args = parser.parse_args()
     if args.start_clip < 0:
         parser.error("--start-clip: seconds, 0 or more")
@@ -441,9 +506,16 @@ def main() -> None:
     # This checkout's whisper_cli, whatever the Python has installed; the same threads for all.
     paths = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": str(args.threads)}
+    cpu = cpu_model()
+    if args.isa is not None:
+        limits = isa_environment(args.isa, REPO / ".cache" / f"isa-{args.isa}")
+        env.update(limits)
+        check_isa(args.isa, env)
+        held = ", ".join(f"{k}={v}" for k, v in limits.items() if k != "CC")
+        cpu += f", held to {args.isa} ({held}; C kernels -march={ISA_MARCH[args.isa]})"
     header = [
-        f"CPU: {cpu_model()}; {args.threads} threads; torch {torch.__version__}",
-        *peer_versions(args.peer_python),
+        f"CPU: {cpu}; {args.threads} threads; torch {torch.__version__}",
+        *peer_versions(args.peer_python, env),
     ]
     for line in header:
         print(line, flush=True)
@@ -540,7 +612,7 @@ def main() -> None:
             f"| {r['peak_mb']} |"
         )
     print()
-    for line in verdicts(rows, args.minutes, native_bf16()):
+    for line in verdicts(rows, args.minutes, native_bf16() and args.isa is None):
         print(line)
 
 

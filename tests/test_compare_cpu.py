@@ -4,6 +4,9 @@ targets (the timed runs themselves need the peers' environment: run by hand)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -72,3 +75,33 @@ def test_issue_20_lines_print_the_time_past_start_up_beside_the_target(compare_c
         _row("fw-batched", "int8", 10.9, 1.0, peak=1447, wer=15.5),
     ]
     assert not any("start-up" in line for line in compare_cpu.issue20_verdicts(bare, True))
+
+
+def _macros(cc: str, *flags: str) -> str:
+    """What the compiler defines for these flags (its -dM listing of an empty C file)."""
+    cmd = [cc, *flags, "-dM", "-E", "-x", "c", "/dev/null"]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) on the PATH")
+def test_isa_avx2_holds_each_library_and_builds_the_c_kernels_for_avx2(
+    compare_cpu, tmp_path, monkeypatch
+):
+    monkeypatch.delenv("CC", raising=False)
+    env = compare_cpu.isa_environment("avx2", tmp_path / "isa")
+    assert {k: env[k] for k in compare_cpu.ISA_LIMITS["avx2"]} == {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "CT2_FORCE_CPU_ISA": "AVX2",
+    }
+    # The wrapper compiles for x86-64-v3 where native.py asks for -march=native (-march=native
+    # itself names this CPU's model among its macros), and passes the rest as given.
+    wrapped = _macros(env["CC"], "-O3", "-march=native", "-fPIC")
+    assert wrapped == _macros("cc", "-O3", "-march=x86-64-v3", "-fPIC")
+    assert wrapped != _macros("cc", "-O3", "-march=native", "-fPIC")
+    assert "#define __AVX2__ 1" in wrapped and "__AVX512F__" not in wrapped
+    # Under it a child's torch runs its AVX2 kernels; a child held lower is refused.
+    compare_cpu.check_isa("avx2", {**os.environ, **env})
+    with pytest.raises(SystemExit, match="torch runs DEFAULT"):
+        compare_cpu.check_isa("avx2", {**os.environ, **env, "ATEN_CPU_CAPABILITY": "default"})
