@@ -65,17 +65,25 @@ def reference(q, k, v, mask, causal):
 
 
 def check_attention(q, k, v, mask=None, causal=False, impls=None):
-    """Each implementation's error against float64 is SDPA's order or below (f32: 1e-5)."""
+    """Each implementation's error against float64 is SDPA's order or below (f32: 1e-5
+    over the whole output, and no element further off than twice SDPA's worst).
+
+    Elements are held to float64, not to SDPA: with sharp scores (std ~12) both are off by
+    up to 2.1e-5 in places, and where each lands depends on its order of summation (held
+    to AVX2, torch's SDPA and the tiled kernel differed by 1.4e-5 at an element where
+    AVX-512's SDPA agrees with the kernel to 2e-6)."""
     ref = reference(q, k, v, mask, causal)
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
     sdpa_err = rel_err(sdpa, ref)
+    sdpa_worst = (sdpa.double() - ref).abs().max().item()
     for name in impls or kernels.ATTENTION:
         out = kernels.ATTENTION[name](q, k, v, mask, causal)
         assert out.dtype == q.dtype and out.shape == q.shape, name
         err = rel_err(out, ref)
         if q.dtype == torch.float32:
             assert err < 1e-5, (name, err)
-            torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
+            worst = (out.double() - ref).abs().max().item()
+            assert worst <= max(2 * sdpa_worst, 1e-5), (name, worst, sdpa_worst)
         else:
             # Measured 0.8-1.0x SDPA's error (computed in f32, rounded once); the
             # margin covers small outputs where both are a handful of roundings.
