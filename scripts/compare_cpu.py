@@ -438,9 +438,9 @@ def isa_environment(isa: str, folder: Path) -> dict[str, str]:
     """The variables that hold every row to `isa`: the libraries' limits, and CC, a wrapper
     of this machine's C compiler (written into `folder`, kept: its path is part of the C
     kernels' cache key, so they are built once)."""
-    import shutil
+    from whisper_cli.native import compiler  # the one native.py would build with
 
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = compiler()
     if cc is None:
         raise SystemExit("--isa: no C compiler to build whisper-cli's C kernels with")
     folder.mkdir(parents=True, exist_ok=True)

@@ -5,12 +5,13 @@ targets (the timed runs themselves need the peers' environment: run by hand)."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 from util import script_module
+
+from whisper_cli import native
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +84,9 @@ def _macros(cc: str, *flags: str) -> str:
     return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) on the PATH")
-def test_isa_avx2_holds_each_library_and_builds_the_c_kernels_for_avx2(
-    compare_cpu, tmp_path, monkeypatch
-):
-    monkeypatch.delenv("CC", raising=False)
+@pytest.mark.skipif(native.compiler() is None, reason="no C compiler ($CC, cc or gcc)")
+def test_isa_avx2_holds_each_library_and_builds_the_c_kernels_for_avx2(compare_cpu, tmp_path):
+    cc = native.compiler()
     env = compare_cpu.isa_environment("avx2", tmp_path / "isa")
     assert {k: env[k] for k in compare_cpu.ISA_LIMITS["avx2"]} == {
         "ATEN_CPU_CAPABILITY": "avx2",
@@ -98,8 +97,8 @@ def test_isa_avx2_holds_each_library_and_builds_the_c_kernels_for_avx2(
     # The wrapper compiles for x86-64-v3 where native.py asks for -march=native (-march=native
     # itself names this CPU's model among its macros), and passes the rest as given.
     wrapped = _macros(env["CC"], "-O3", "-march=native", "-fPIC")
-    assert wrapped == _macros("cc", "-O3", "-march=x86-64-v3", "-fPIC")
-    assert wrapped != _macros("cc", "-O3", "-march=native", "-fPIC")
+    assert wrapped == _macros(cc, "-O3", "-march=x86-64-v3", "-fPIC")
+    assert wrapped != _macros(cc, "-O3", "-march=native", "-fPIC")
     assert "#define __AVX2__ 1" in wrapped and "__AVX512F__" not in wrapped
     # Under it a child's torch runs its AVX2 kernels; a child held lower is refused.
     compare_cpu.check_isa("avx2", {**os.environ, **env})
