@@ -354,12 +354,17 @@ def _native():
 @functools.cache
 def _native_for(*_environment: str | None):
     """_native's library; `_environment`: what kernels_cache_path reads, only the key."""
-    return native.library(kernels_cache_path().parent / "native")
+    return native.library(_native_dir())
+
+
+def _native_dir() -> Path:
+    """Where the C kernels' library is built: beside the kernel cache file."""
+    return kernels_cache_path().parent / "native"
 
 
 def _native_offered() -> bool:
     """Whether the C kernels may be offered: built already, or buildable here."""
-    return native.buildable(kernels_cache_path().parent / "native")
+    return native.buildable(_native_dir())
 
 
 ATTENTION: dict[str, Attention] = {
@@ -1402,7 +1407,7 @@ def _machine() -> str:
             f"features={_cpu_features()}",
             f"isa={torch.backends.cpu.get_cpu_capability()}",
             *limits,
-            f"native={native.build_name(kernels_cache_path().parent / 'native')}",
+            f"native={native.build_name(_native_dir())}",
             f"torch={torch.__version__}",
         ]
     )
