@@ -629,6 +629,48 @@ def test_a_batchs_log_mel_is_each_rows_own_whatever_rows_share_its_batch():
     assert torch.equal(reordered, alone[[3, 2, 1, 0, 4, 5]])
 
 
+@pytest.mark.parametrize(
+    ("name", "dtype", "quantize"),
+    [
+        ("tiny.en", "f32", "none"),
+        ("base", "f32", "none"),
+        ("base", "bf16", "none"),
+        ("base", "f32", "int8"),
+    ],
+)
+def test_a_windows_encoder_output_and_cross_kv_are_its_own_whatever_windows_share_its_batch(
+    name, dtype, quantize
+):
+    """On CPU the encoder and the cross K/V projections take a batch's windows one at a
+    time (model.window_parts): on four windows of real speech, a window's encoder output
+    and every layer's cross K and V are the bytes of that window alone, in a batch of four
+    and of three, at any place. (Held to AVX2, MKL's f32 GEMM at base's 512x512 gives a
+    window other bytes inside a call over three windows than alone.)"""
+    from whisper_cli import features
+
+    loaded = load_model(str(real_model(name)), resolve_policy(dtype, "cpu", quantize))
+    model = loaded.model
+    left = load_audio(shared_clip("stereo_diarization.wav"), "left")
+    clips = [load_audio(shared_clip("jfk.flac")), left[:480_000], left[480_000:960_000]]
+    clips.append(load_audio(shared_clip("hotwords.mp3"))[:480_000])
+    mel = features.batch_log_mel(clips, 4, loaded.config.num_mel_bins, model.device)
+    mel = mel.to(model.dtype)
+
+    def encoded(rows: list[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        with torch.inference_mode():
+            audio = model.encoder(mel[rows])
+            return audio, model.decoder.new_caches(audio, 8).cross_kv()
+
+    alone = [encoded([r]) for r in range(4)]
+    for rows in ([0, 1, 2, 3], [3, 1, 2]):
+        audio, cross = encoded(rows)
+        assert audio.dtype == model.dtype and len(cross) == loaded.config.decoder_layers
+        for at, r in enumerate(rows):
+            assert torch.equal(audio[at], alone[r][0][0]), (rows, r)
+            for (k, v), (k_alone, v_alone) in zip(cross, alone[r][1], strict=True):
+                assert torch.equal(k[at], k_alone[0]) and torch.equal(v[at], v_alone[0]), (rows, r)
+
+
 @pytest.mark.parametrize("timestamps", [False, True])
 def test_the_rules_suppress_the_checkpoints_tokens_at_a_step_and_at_a_first_token(
     tiny_en, timestamps

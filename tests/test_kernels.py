@@ -1381,9 +1381,9 @@ def test_cross_keys_stored_by_column_on_cpu_in_f32_only(random_dir, dtype):
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_encoder_feed_forward_in_row_tiles_equals_the_whole_call(random_dir, dtype, monkeypatch):
     """On CPU the encoder's feed-forward block runs in equal tiles of at most
-    ENCODER_ROWS rows (3 windows: 4500 rows, 9 tiles of 500 a layer), and its output is
-    one call's over every row (equal where measured; the tolerance leaves room for a
-    BLAS whose rounding depends on the count of rows)."""
+    ENCODER_ROWS rows (a window at a time: 1500 rows, 3 tiles of 500 a layer, 9 for 3
+    windows), and its output is one call's over a window's rows (equal where measured;
+    the tolerance leaves room for a BLAS whose rounding depends on the count of rows)."""
     from whisper_cli import model as model_module
     from whisper_cli.dtypes import resolve_policy
     from whisper_cli.loading import load_model
@@ -1568,14 +1568,20 @@ def gelu_rows(m: int, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_each_int8_linear_computes_every_row_on_its_own(dtype):
-    """A row's result does not depend on the other rows of its call: a call equals its two
-    halves, bit for bit, also where one half holds only rows of one sign (a grid taken from
-    the call's min and max would then differ between the halves and the whole)."""
+    """A quantizing kernel's row does not depend on the other rows of its call: a call
+    equals its two halves, bit for bit, also where one half holds only rows of one sign (a
+    grid taken from the call's min and max would then differ between the halves and the
+    whole). The reference ("dequant") quantizes nothing: its rows are its BLAS's, which may
+    sum a row otherwise in another count of rows (MKL's f32 GEMM held to AVX2 does here),
+    so the plan checks that where rows share a call (text tokens, _rows_alike) and audio
+    frames run a window at a time (model.window_parts)."""
     weight, scale, bias = int8_layer(n=80, k=96)
     x = gelu_rows(600, 96, 13, dtype)
     x[300:] = -x[300:]  # the second half's rows reach their largest magnitude below zero
     b = bias.to(dtype)
-    for name in kernels.int8_candidates(dtype):
+    quantizing = [n for n in kernels.int8_candidates(dtype) if n != "dequant"]
+    assert quantizing
+    for name in quantizing:
         run, form = kernels.INT8_LINEAR[name], kernels.int8_form(name, weight, scale)
         whole = run(x, weight, scale, b, form)
         halves = [run(x[r : r + 300], weight, scale, b, form) for r in (0, 300)]
@@ -1584,9 +1590,12 @@ def test_each_int8_linear_computes_every_row_on_its_own(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_int8_linear_runs_many_rows_in_tiles(dtype, monkeypatch):
-    """An encoder-sized call (2 windows of 1500 rows, and 513 rows) hands each kernel at
-    most INT8_TILE_ROWS rows at a time, and its result is the kernel's untiled result bit
-    for bit, in x's dtype; with a plan and without."""
+    """A call of many rows (2 windows of 1500 rows, and 513 rows) hands each kernel at
+    most INT8_TILE_ROWS rows at a time, in x's dtype, with a plan and without: its result
+    is the kernel's over each of row_tiles' tiles alone, bit for bit, and for a quantizing
+    kernel (rows on their own) the untiled call's too; the reference's BLAS may round a
+    tile's rows otherwise than the whole call's (see the test above), so there within
+    the dtype's tolerance."""
     weight, scale, bias = int8_layer(n=80, k=96)
     b = bias.to(dtype)
     seen: list[int] = []
@@ -1613,9 +1622,19 @@ def test_int8_linear_runs_many_rows_in_tiles(dtype, monkeypatch):
             form = kernels.int8_form(name, weight, scale)
             untiled = kernels.INT8_LINEAR[name](x, weight, scale, b, form)
             assert seen == [m]
+            rows = x.reshape(m, 96)
+            tiles = [
+                kernels.INT8_LINEAR[name](rows[part], weight, scale, b, form)
+                for part in kernels.row_tiles(m, kernels.INT8_TILE_ROWS)
+            ]
             seen.clear()
             out = kernels.int8_linear(x, weight, scale, b, plan)
-            assert out.dtype == dtype and torch.equal(out, untiled), (name, lead)
+            assert out.dtype == dtype and out.shape == untiled.shape
+            assert torch.equal(out.view(m, -1), torch.cat(tiles)), (name, lead)
+            if name == "dequant":
+                torch.testing.assert_close(out, untiled)  # the dtype's default tolerance
+            else:
+                assert torch.equal(out, untiled), (name, lead)
             assert sum(seen) == m and max(seen) <= kernels.INT8_TILE_ROWS, (name, seen)
 
 

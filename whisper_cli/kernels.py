@@ -26,6 +26,9 @@ Invariants:
   Where rows share a call of varying size or mask (GEMMs over text tokens, a step's
   attention over the text's keys), the timing also checks that a candidate gives each
   row what it gives the row alone (_rows_alike, _step_alike), and chooses among those.
+  Audio frames share no call: on the CPU the model runs a batch's windows through the
+  encoder and the cross-attention projections one at a time (model.window_parts), so a
+  window meets the same calls in any batch, whatever a kernel does with a call's rows.
 * A choice in mode auto comes from the cache file (kernels_cache_path()), per CPU model,
   torch version, thread count, dtype and shape class; where it has none, from a timing of
   every candidate on synthetic inputs of that class (time_candidates), merged into the
@@ -97,10 +100,10 @@ TOKEN_ROWS = 16
 TEXT_KEYS = 128
 CONV_TIMING_LENGTH = 512  # frames a convolution is timed on (see _conv1d_shape)
 # The most rows an int8 linear kernel takes at once (int8_linear): a call of more runs in
-# equal tiles of 257-512 rows (256 and 257 for a call of 513), near the ENCODER_ROWS a
-# plan times audio frames at. Each kernel's float32 temporaries are then
-# a few MB, where the encoder's whole call (1500 rows per window) made hundreds of MB of
-# them at batch 16.
+# equal tiles of 257-512 rows (256 and 257 for a call of 513; a window's 1500 frames: three
+# of 500), near the ENCODER_ROWS a plan times audio frames at. Each kernel's float32
+# temporaries are then a few MB, where a batch of 16 windows in one call made hundreds of
+# MB of them.
 INT8_TILE_ROWS = ENCODER_ROWS
 # Timing: most elements of one synthetic K tensor (the batch is cut to fit). Each
 # candidate is warmed up once, and a second time where it is TIMING_CUTOFF times slower
@@ -1001,12 +1004,13 @@ def int8_linear(
     layer's, see quantize.prepare_forms); a form they lack (a class outside the plan in a
     forced mode) is made for this call only.
 
-    A call of more than INT8_TILE_ROWS rows (the encoder's) runs in equal tiles of rows,
-    each written in place into one output in x's dtype: each kernel's float32 and uint8
-    temporaries are a tile's, not the call's. Each kernel computes a row on its own (a
-    grid per row, see Grid), and the BLAS behind the reference computes a tile's rows
-    as it does the whole call's (test_kernels checks both): the result is the untiled
-    call's."""
+    A call of more than INT8_TILE_ROWS rows (the encoder's: a window's 1500) runs in
+    equal tiles of rows (row_tiles), each written in place into one output in x's dtype:
+    each kernel's float32 and uint8 temporaries are a tile's, not the call's. A
+    quantizing kernel computes a row on its own (a grid per row, see Grid), so there the
+    result is the untiled call's; the reference's BLAS may round a tile's rows otherwise
+    (test_kernels checks both). The tiles are a function of the call's rows alone, and a
+    window's frames come as a call of their own (model.window_parts)."""
     if torch.compiler.is_compiling():
         return _int8_dequant(x, weight, scale, bias)
     n, k = weight.shape

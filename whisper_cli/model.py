@@ -23,16 +23,35 @@ from whisper_cli.config import ModelConfig
 KV = tuple[torch.Tensor, torch.Tensor]  # keys and values, (B, H, S, D) each
 
 
-def encoder_mlp_tile(device: torch.device) -> int | None:
-    """The most rows per tile of the encoder's feed-forward block (a call of more runs
-    in kernels.row_tiles, as int8_linear's), or None for the whole call.
+def window_parts(windows: int, device: torch.device) -> list[slice]:
+    """A batch's windows (dim 0 of the encoder's input, and of the audio the cross-attention
+    projects) in the groups that run through the model together: on CPU one at a time,
+    elsewhere all at once.
 
-    On CPU a tile's fc1 output (512 rows: 4 MB at base) stays in cache through the GELU
-    and fc2, where the whole call's is hundreds of MB at batch 16 (base: 196 MB, two of
-    them live), written to memory and read back at each op: the encoder's peak memory
-    falls by a quarter to a third, its time does not rise (README, Speed). Each row's
-    result is its own (test_kernels compares it with one call). On CUDA one call is one
-    set of kernels over the whole batch."""
+    A row's text must not depend on the windows beside it, so a window's encoder output
+    and cross K/V must be the same bytes in any batch. Within one call a GEMM's rounding
+    can depend on its count of rows: held to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2, Intel
+    Xeon with AMX), torch's f32 linear at base's 512x512 gives a window other bytes at 1,
+    3, 5, 7 and 11 windows than inside a call of 16. A window alone meets every op over
+    audio frames in the same calls, of the same rows, in any batch, whatever a kernel does
+    with a call's rows. On CPU it costs no time: a window's 1500 rows are past the rows
+    where a GEMM's per-row cost flattens (README, Speed). On CUDA one call over the batch
+    keeps the GPU busy (its kernels' invariance to the batch is not checked)."""
+    if device.type == "cpu":
+        return [slice(w, w + 1) for w in range(windows)]
+    return [slice(0, windows)]
+
+
+def encoder_mlp_tile(device: torch.device) -> int | None:
+    """The most rows per tile of the encoder's feed-forward block (a window's 1500 rows run
+    in kernels.row_tiles: three of 500), or None for the whole call.
+
+    On CPU a tile's fc1 output (500 rows: 4 MB at base) stays in cache through the GELU
+    and fc2, where a window's is three times that, and a batch's (when a batch ran as one
+    call) hundreds of MB (base at 16 windows: 196 MB, two of them live), written to memory
+    and read back at each op: the tiles cut the encoder's peak memory by a quarter to a
+    third then, its time did not rise (README, Speed). On CUDA one call is one set of
+    kernels over the whole batch."""
     return kernels.ENCODER_ROWS if device.type == "cpu" else None
 
 
@@ -57,8 +76,9 @@ def cross_keys_transposed(dtype: torch.dtype, device: torch.device) -> bool:
 BY_COLUMN_FRAMES = 64
 
 
-def copy_by_column(k: torch.Tensor) -> torch.Tensor:
-    """(B, H, S, D) -> the same values stored (B, H, D, S), seen as (B, H, S, D).
+def copy_by_column(k: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, H, S, D) -> the same values stored (B, H, D, S), seen as (B, H, S, D): into
+    `out` (such a view) where given, else a new tensor.
 
     Copied a block of frames at a time: a transposing copy of the whole (S, C) of a row
     reads each frame's values C apart, and the lines it reads for one output row are
@@ -68,10 +88,10 @@ def copy_by_column(k: torch.Tensor) -> torch.Tensor:
     fresh memory, as a batch's caches are made, 39.5 against 21-24 ms. tiny.en's keys
     (C 384: a row's 2.3 MB stay in L2 either way) take 16 ms both ways."""
     b, h, s, d = k.shape
-    out = k.new_empty((b, h, d, s))  # (B, H, D, S)
+    stored = k.new_empty((b, h, d, s)) if out is None else out.mT  # (B, H, D, S)
     for at in range(0, s, BY_COLUMN_FRAMES):
-        out[..., at : at + BY_COLUMN_FRAMES].copy_(k[:, :, at : at + BY_COLUMN_FRAMES].mT)
-    return out.mT
+        stored[..., at : at + BY_COLUMN_FRAMES].copy_(k[:, :, at : at + BY_COLUMN_FRAMES].mT)
+    return stored.mT
 
 
 def _stored(t: torch.Tensor) -> torch.Tensor:
@@ -316,9 +336,11 @@ class Attention(nn.Module):
     def cross_kv(self, audio: torch.Tensor) -> KV:
         """(B, S, C) encoder output -> its cross-attention K and V, (B, H, S, D) each.
 
-        Laid out once per batch (every step reads them whole, and CPU attention over the
-        strided view of (B, S, C), one head's rows C values apart, is slower): V by rows,
-        K by rows or by columns as cross_keys_transposed says.
+        Projected in window_parts' groups of windows (on CPU one at a time: a window's
+        K/V are then the same bytes in any batch), and laid out once per batch (every step
+        reads them whole, and CPU attention over the strided view of (B, S, C), one head's
+        rows C values apart, is slower): V by rows, K by rows or by columns as
+        cross_keys_transposed says.
 
         Why cached at all: a step could attend over the encoder output itself, the query
         taken through k_proj's weight (q W_k) and the weighted sum through v_proj's after
@@ -334,10 +356,20 @@ class Attention(nn.Module):
         the engine's row drops, refills and alignment pass. (README, Speed: an earlier
         attempt, with other shapes.)
         """
-        k, v = (self.split_heads(p(audio)) for p in (self.k_proj, self.v_proj))
-        if cross_keys_transposed(k.dtype, k.device):
-            return copy_by_column(k), v.contiguous()
-        return k.contiguous(), v.contiguous()
+        b, s, c = audio.shape
+        shape = (b, self.heads, s, c // self.heads)
+        by_column = cross_keys_transposed(audio.dtype, audio.device)
+        k = audio.new_empty((*shape[:2], shape[3], s)).mT if by_column else audio.new_empty(shape)
+        v = audio.new_empty(shape)
+        for part in window_parts(b, audio.device):
+            frames = audio[part]
+            keys = self.split_heads(self.k_proj(frames))
+            if by_column:
+                copy_by_column(keys, k[part])
+            else:
+                k[part].copy_(keys)
+            v[part].copy_(self.split_heads(self.v_proj(frames)))
+        return k, v
 
 
 class EncoderLayer(nn.Module):
@@ -424,6 +456,20 @@ class Encoder(nn.Module):
         self.layer_norm = nn.LayerNorm(c)
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        # mel: (B, n_mels, 2S) in the model dtype -> (B, S, C), its windows in the groups
+        # window_parts makes (on CPU one at a time).
+        parts = window_parts(mel.shape[0], mel.device)
+        if len(parts) == 1:
+            return self.encode(mel)
+        out = None
+        for part in parts:
+            x = self.encode(mel[part])
+            if out is None:
+                out = x.new_empty((mel.shape[0], *x.shape[1:]))
+            out[part] = x
+        return out
+
+    def encode(self, mel: torch.Tensor) -> torch.Tensor:
         # mel: (B, n_mels, 2S) in the model dtype -> (B, S, C)
         x = F.gelu(self.conv1(mel))
         # (B, C, S) -> (B, S, C), made contiguous once: the residual stream would
