@@ -19,7 +19,8 @@ models decode on the same audio (plan.json), next to the measured one.
 Stages (PLAN, in order of the value of their answer per second, with their limits):
   setup       environment, models, audio, the window count of the bench audio
   parity-*    teacher-forced logits: CPU f32 reference vs device eager vs device compiled
-              (the engine's own compiled step), f32 and bf16
+              (the engine's own compiled step), f32 and bf16; and whether a window's
+              encoder output is the same bytes alone as inside its batch
   dtype       the dtype recorder (tests/dtype_recorder.py) over a whole run on the device
   bench-*     whisper_cli.tools.bench.measure, one configuration per stage (process)
   encoder     torch.compile of the encoder against eager, ms per window
@@ -621,6 +622,7 @@ def parity(
             out[name] = entry
             if on_partial:  # kept if a later path runs past the stage's limit
                 on_partial(out)
+        out[f"{device}_window_alone_{dtype}"] = window_alone(loaded, mel)
         if dtype in sampled:
             out[f"{device}_sampled_{dtype}"] = sampled_parity(loaded, mel, steps, ref_tokens)
             if on_partial:
@@ -648,6 +650,25 @@ def parity(
     }
     out["bf16_token_agreement"] = bf16
     return out
+
+
+def window_alone(loaded, mel) -> dict[str, Any]:
+    """Is the first window's encoder output on the device the same bytes alone as inside
+    the batch of all of `mel`'s windows? On the CPU the model encodes a window at a time
+    (model.window_parts), so it is by construction; on CUDA one call takes the batch, and
+    this tells whether its kernels round a window by its batch (a row's text would then
+    move with its batch there). Informational: no pass depends on it."""
+    import torch
+
+    model = loaded.model
+    with torch.inference_mode():
+        x = mel.to(model.device, model.dtype)
+        inside, alone = model.encoder(x)[:1], model.encoder(x[:1])
+    return {
+        "windows": mel.shape[0],
+        "identical": bool(torch.equal(inside, alone)),
+        "max_abs_diff": float((inside.float() - alone.float()).abs().max()),
+    }
 
 
 def sampled_parity(loaded, mel, steps: int, forced) -> dict[str, Any]:
@@ -1045,6 +1066,13 @@ def summarise(out_dir: Path) -> None:
                 f"| {v['graphs']} | {v['recompiles']} | {v['graph_breaks']} "
                 f"| {v['cudagraph_skips']} | {v['ms_per_step_last']} |"
             )
+        for key, v in p.items():
+            if "_window_alone_" in key and isinstance(v, dict):
+                lines.append(
+                    f"- {key}: window 0's encoder output alone against inside the batch of "
+                    f"{v['windows']}: identical **{v['identical']}** (max abs diff "
+                    f"{v['max_abs_diff']:.2e})"
+                )
         for key, v in p.items():
             if "_sampled_" not in key or not isinstance(v, dict):
                 continue

@@ -62,6 +62,15 @@ def test_parity_stage_on_cpu(gpu_check, tmp_path, monkeypatch):
     summary = (out_dir / "summary.md").read_text()
     assert "| cpu_f32_compiled | " in summary
     assert "- cpu_sampled_f32 (T 1.0): compiled draws agree with eager **1.0**" in summary
+    # A window's encoder output alone and inside the batch: the same bytes on the CPU
+    # (a window at a time); the device's answer is reported, not judged.
+    for dtype in ("f32", "bf16"):
+        alone = out[f"cpu_window_alone_{dtype}"]
+        assert alone == {"windows": 2, "identical": True, "max_abs_diff": 0.0}
+        assert (
+            f"- cpu_window_alone_{dtype}: window 0's encoder output alone against inside the "
+            "batch of 2: identical **True** (max abs diff 0.00e+00)"
+        ) in summary
 
 
 def test_the_plan_answers_by_value_within_the_budget(gpu_check):
