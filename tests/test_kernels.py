@@ -1378,36 +1378,6 @@ def test_cross_keys_stored_by_column_on_cpu_in_f32_only(random_dir, dtype):
         torch.testing.assert_close(step(caches), step(by_rows), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_encoder_feed_forward_in_row_tiles_equals_the_whole_call(random_dir, dtype, monkeypatch):
-    """On CPU the encoder's feed-forward block runs in equal tiles of at most
-    ENCODER_ROWS rows (a window at a time: 1500 rows, 3 tiles of 500 a layer, 9 for 3
-    windows), and its output is one call's over a window's rows (equal where measured;
-    the tolerance leaves room for a BLAS whose rounding depends on the count of rows)."""
-    from whisper_cli import model as model_module
-    from whisper_cli.dtypes import resolve_policy
-    from whisper_cli.loading import load_model
-
-    loaded = load_model(str(random_dir), resolve_policy(dtype, "cpu"))
-    model = loaded.model
-    mel = torch.randn(3, loaded.config.num_mel_bins, 3000).to(model.dtype)
-    sizes = []
-    real_mlp = model_module.EncoderLayer.mlp
-
-    def mlp(self, x):
-        sizes.append(x.shape[0] if x.dim() == 2 else -1)
-        return real_mlp(self, x)
-
-    monkeypatch.setattr(model_module.EncoderLayer, "mlp", mlp)
-    with torch.inference_mode():
-        tiled = model.encoder(mel)
-        assert sizes == [500] * 9 * loaded.config.encoder_layers
-        monkeypatch.setattr(model_module, "encoder_mlp_tile", lambda device: None)
-        whole = model.encoder(mel)
-    assert tiled.dtype == whole.dtype == model.dtype
-    torch.testing.assert_close(tiled, whole)  # the dtype's default tolerance
-
-
 def test_forward_times_reads_and_writes_nothing(random_dir, tmp_path, monkeypatch):
     """Auto mode: the plan is timed at load; then the cache is made unreadable and any
     timing, read or write fails, and a forward pass runs as before."""

@@ -42,19 +42,6 @@ def window_parts(windows: int, device: torch.device) -> list[slice]:
     return [slice(0, windows)]
 
 
-def encoder_mlp_tile(device: torch.device) -> int | None:
-    """The most rows per tile of the encoder's feed-forward block (a window's 1500 rows run
-    in kernels.row_tiles: three of 500), or None for the whole call.
-
-    On CPU a tile's fc1 output (500 rows: 4 MB at base) stays in cache through the GELU
-    and fc2, where a window's is three times that, and a batch's (when a batch ran as one
-    call) hundreds of MB (base at 16 windows: 196 MB, two of them live), written to memory
-    and read back at each op: the tiles cut the encoder's peak memory by a quarter to a
-    third then, its time did not rise (README, Speed). On CUDA one call is one set of
-    kernels over the whole batch."""
-    return kernels.ENCODER_ROWS if device.type == "cpu" else None
-
-
 def cross_keys_transposed(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the cross-attention keys are stored (B, H, D, S) and seen as (B, H, S, D)
     (a view: every reader takes them as any strided tensor).
@@ -382,17 +369,8 @@ class EncoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x))  # (B, S, C), a new tensor
-        tile = encoder_mlp_tile(x.device)
-        if tile is None:
-            return x + self.mlp(x)
-        rows = x.view(-1, x.shape[-1])
-        for part in kernels.row_tiles(rows.shape[0], tile):  # each reads only its rows
-            rows[part] += self.mlp(rows[part])
-        return x
-
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+        x = x + self.self_attn(self.self_attn_layer_norm(x))  # (B, S, C)
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
 
 class DecoderLayer(nn.Module):
