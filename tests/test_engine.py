@@ -363,17 +363,18 @@ def test_caches_select_and_compact_rows_in_their_own_layout():
 
 
 def test_copy_by_column_keeps_every_key_in_column_order():
-    """model.copy_by_column copies a block of frames at a time: every frame, the last
-    partial block's too, lands where a whole transposing copy puts it, stored (B, H, D, S)."""
+    """model.copy_by_column copies a block of frames at a time into keys stored (B, H, D,
+    S): every frame, the last partial block's too, lands where a whole transposing copy
+    puts it, and nothing beside `out` is written."""
     from whisper_cli.model import BY_COLUMN_FRAMES, copy_by_column
 
     g = torch.Generator().manual_seed(0)
     for frames in (1, BY_COLUMN_FRAMES, 2 * BY_COLUMN_FRAMES + 5):
         x = torch.randn(3, frames, 4 * 6, generator=g)  # (B, S, C), C = H * D
         keys = x.view(3, frames, 4, 6).transpose(1, 2)  # (B, H, S, D), as split_heads
-        got = copy_by_column(keys)
-        assert got.shape == keys.shape and torch.equal(got, keys)
-        assert got.mT.is_contiguous() and got.dtype == keys.dtype
+        stored = torch.full((4, 4, 6, frames), -7.0)  # (B + 1, H, D, S): row 3 untouched
+        copy_by_column(keys, stored[:3].mT)
+        assert torch.equal(stored[:3].mT, keys) and (stored[3] == -7.0).all()
 
 
 def test_rows_dropped_in_place_decode_as_rows_never_dropped(monkeypatch):

@@ -65,9 +65,9 @@ def cross_keys_transposed(dtype: torch.dtype, device: torch.device) -> bool:
 BY_COLUMN_FRAMES = 64
 
 
-def copy_by_column(k: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, H, S, D) -> the same values stored (B, H, D, S), seen as (B, H, S, D): into
-    `out` (such a view) where given, else a new tensor.
+def copy_by_column(k: torch.Tensor, out: torch.Tensor) -> None:
+    """k (B, H, S, D) copied into `out`: the same shape, stored (B, H, D, S) (a view of
+    such storage).
 
     Copied a block of frames at a time: a transposing copy of the whole (S, C) of a row
     reads each frame's values C apart, and the lines it reads for one output row are
@@ -76,11 +76,9 @@ def copy_by_column(k: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     once against 8.8 ms by 64 frames (13 by 16, 10.7 by 256; a plain copy 2.9 ms); into
     fresh memory, as a batch's caches are made, 39.5 against 21-24 ms. tiny.en's keys
     (C 384: a row's 2.3 MB stay in L2 either way) take 16 ms both ways."""
-    b, h, s, d = k.shape
-    stored = k.new_empty((b, h, d, s)) if out is None else out.mT  # (B, H, D, S)
-    for at in range(0, s, BY_COLUMN_FRAMES):
+    stored = out.mT  # (B, H, D, S)
+    for at in range(0, k.shape[2], BY_COLUMN_FRAMES):
         stored[..., at : at + BY_COLUMN_FRAMES].copy_(k[:, :, at : at + BY_COLUMN_FRAMES].mT)
-    return stored.mT
 
 
 def _stored(t: torch.Tensor) -> torch.Tensor:
