@@ -645,8 +645,8 @@ def test_a_windows_encoder_output_and_cross_kv_are_its_own_whatever_windows_shar
     """On CPU the encoder and the cross K/V projections take a batch's windows one at a
     time (model.window_parts): on four windows of real speech, a window's encoder output
     and every layer's cross K and V are the bytes of that window alone, in a batch of four
-    and of three, at any place. (Held to AVX2, MKL's f32 GEMM at base's 512x512 gives a
-    window other bytes inside a call over three windows than alone.)"""
+    and of three, at any place. (Held to AVX2, base f32 fails this with a batch in one
+    call: MKL's f32 GEMM rounds a window there by the call's rows.)"""
     from whisper_cli import features
 
     loaded = load_model(str(real_model(name)), resolve_policy(dtype, "cpu", quantize))
