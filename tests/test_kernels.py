@@ -318,6 +318,29 @@ def test_a_step_over_the_texts_keys_gives_each_row_its_own_sums(tmp_path, monkey
     assert "rows_alike" not in cross and cross["choice"] == "sdpa"
 
 
+@pytest.mark.parametrize("count", [2, 7, 64, 100])
+def test_a_step_that_sums_any_one_count_of_keys_otherwise_is_refused(count):
+    """The check sees every count of keys a refilled row can have: a kernel whose masked
+    rows of one count (here `count` of 128) differ from their own calls in the last bit,
+    as torch's f32 matmul's rows of 2-7 keys do held to AVX2 on a Xeon, is refused; the
+    same kernel with no such count is accepted."""
+    native_built()
+
+    def otherwise_at(bad: int):
+        def attend(q, k, v, mask, causal):
+            out = kernels._fused(q, k, v, mask, causal)
+            if mask is not None:
+                hit = mask.reshape(mask.shape[0], -1).sum(-1) == bad  # rows seeing `bad` keys
+                out[hit] = torch.nextafter(out[hit], torch.full_like(out[hit], math.inf))
+            return out
+
+        return attend
+
+    shape = (4, 6, 1, 128, 64)
+    assert not kernels._step_alike(otherwise_at(count), shape, torch.float32, "cpu")
+    assert kernels._step_alike(otherwise_at(129), shape, torch.float32, "cpu")
+
+
 def test_the_fused_call_is_a_named_range_under_the_profiler():
     """torch.profiler cannot see a ctypes call: under it, the C kernel's time is a range
     named with its key count (scripts/step_profile.py groups by it); the same result."""

@@ -141,7 +141,7 @@ CHECK_OUTPUTS = 1 << 19
 COLD_CACHE_FACTOR = 1.25
 COLD_MIN_BYTES = 64 << 20
 COLD_MAX_BYTES = 1 << 30
-CACHE_VERSION = 9  # a file of another version is read as empty (its choices timed again)
+CACHE_VERSION = 10  # a file of another version is read as empty (its choices timed again)
 
 
 # --- attention implementations ------------------------------------------------------
@@ -1561,28 +1561,34 @@ def _check_draws(dtype: torch.dtype, outputs: int) -> int:
 
 def _step_alike(f: Attention, shape, dtype: torch.dtype, device) -> bool:
     """Whether a one-query step of `f` gives each row, bit for bit, what its own call over
-    just its keys gives, where the rows see their first 1, S/3, S-1 and S keys of S (a
-    refilled step's mask, model.Attention.forward_self), on every draw (_check_draws): a
-    row's text then depends neither on the rows beside it nor on their positions. "fused"
-    does by construction (csrc/attention.c); the others sum the masked keys' zeros in
-    another order."""
+    just its keys gives, where rows see every count of keys 1..S of S (a refilled step's
+    mask, model.Attention.forward_self), in calls of at most TOKEN_ROWS rows each with a
+    row that sees all S (a refilled step's keys are its longest row's), on every draw
+    (_check_draws): a row's text then depends neither on the rows beside it nor on their
+    positions. Every count, as a reduction's order can change with a count's remainder
+    by the vector width or a block: torch's f32 matmul held to AVX2 on a Xeon sums rows
+    of 2-7 keys otherwise, and agrees at 1, S/3, S-1 and S. "fused" does by construction
+    (csrc/attention.c); the others sum the masked keys' zeros in another order."""
     _, h, _, s, d = shape
     g = torch.Generator(device=device).manual_seed(0)
     opts = {"dtype": dtype, "device": device, "generator": g}
-    counts = torch.tensor([1, max(1, s // 3), max(1, s - 1), s], device=device)
-    mask = (torch.arange(s, device=device) < counts[:, None])[:, None, None]  # (B, 1, 1, S)
+    per_call = TOKEN_ROWS - 1
+    calls = [[*range(c, min(s, c + per_call)), s] for c in range(1, s, per_call)] or [[s]]
 
-    def alike_on_a_draw() -> bool:
-        q = torch.randn(4, 1, h, d, **opts).transpose(1, 2)  # (B, H, 1, D), as split heads
-        k, v = torch.randn(4, h, s, d, **opts), torch.randn(4, h, s, d, **opts)
+    def alike(counts: list[int]) -> bool:
+        b = len(counts)
+        q = torch.randn(b, 1, h, d, **opts).transpose(1, 2)  # (B, H, 1, D), as split heads
+        k, v = torch.randn(b, h, s, d, **opts), torch.randn(b, h, s, d, **opts)
+        mask = torch.arange(s, device=device) < torch.tensor(counts, device=device)[:, None]
         own = [
             f(q[r : r + 1], k[r : r + 1, :, :n], v[r : r + 1, :, :n], None, False)
-            for r, n in enumerate(counts.tolist())
+            for r, n in enumerate(counts)
         ]
-        return torch.equal(f(q, k, v, mask, False), torch.cat(own))
+        return torch.equal(f(q, k, v, mask[:, None, None], False), torch.cat(own))
 
     with torch.no_grad():
-        return all(alike_on_a_draw() for _ in range(_check_draws(dtype, 4 * h * d)))
+        draws = range(_check_draws(dtype, s * h * d))
+        return all(alike(counts) for _ in draws for counts in calls)
 
 
 def _rows_alike(fn: Callable[[Tensor], Tensor], draws: list[Tensor]) -> bool:
