@@ -10,6 +10,9 @@ It prints, per question:
   onsets  how late the detector's onset is after the true start of speech, for eSpeak's
           (known starts) and, by word timing with the map off, for real speech: the demo
           sample and the shared clips 20 dB down and in noise (-> speech_lead_seconds)
+  level   the speech frames found with each input stored at a peak of -20 to -80 dBFS,
+          with the detector's gain and without it, and the non-speech at its level and
+          30 and 50 dB down (-> detector_target_dbfs, detector_max_gain_db)
   short   the peak speech probability of stretches shorter than min_speech_seconds, for
           short words and for non-speech (-> short_speech_threshold)
   text    for every segment decoded with the map on: the speech under it (per margin),
@@ -31,7 +34,7 @@ It prints, per question:
           faster-whisper's rule (-> judge.repeats_speech)
 
     python scripts/calibrate_speech.py [--model models/tiny.en] [--model models/base]
-        [--only detector|text|ends|spans|cuts|repeats]
+        [--only detector|level|text|ends|spans|cuts|repeats]
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from whisper_cli.audio import SAMPLE_RATE, load_audio  # noqa: E402
 from whisper_cli.dtypes import resolve_policy  # noqa: E402
 from whisper_cli.loading import load_model  # noqa: E402
 from whisper_cli.options import Policy, TranscribeOptions  # noqa: E402
-from whisper_cli.speech import FRAME_SECONDS, SpeechStream, load_detector  # noqa: E402
+from whisper_cli.speech import FRAME_SECONDS, LevelGain, SpeechStream, load_detector  # noqa: E402
 
 RATE = SAMPLE_RATE
 DEMO = REPO / ".cache" / "demo"
@@ -282,7 +285,10 @@ def runs(probs: np.ndarray, policy: Policy) -> list[tuple[int, int]]:
 
 
 def speech_map(audio: np.ndarray, detector) -> np.ndarray:
-    stream = SpeechStream(detector)
+    """The map the product makes (the default policy's gain)."""
+    p = Policy()
+    gain = LevelGain.from_dbfs(p.detector_target_dbfs, p.detector_max_gain_db)
+    stream = SpeechStream(detector, gain)
     stream.push(audio)
     stream.finish()
     return stream.map()
@@ -329,6 +335,83 @@ def onsets_and_short(items: list[dict], detector, policy: Policy) -> None:
             f"  {name:30s} stretches {len(found):3d} max peak {max(peaks, default=0.0):.3f} "
             f"longest {longest:.2f} s  overall max P {probs.max():.3f}"
         )
+
+
+def level_evidence(items: list[dict], detector, policy: Policy) -> None:
+    """The detector at other recording levels, with and without its gain (speech.LevelGain):
+    each input brought to a peak of L dBFS and stored as 16-bit PCM would store it; the
+    speech frames found against those found at the input's own level (recall), and the
+    frames found that were not (added). Then the non-speech at its level, 30 and 50 dB
+    down, and digital silence plain and dithered (+-1 LSB): the stretches the map's rules
+    call speech (runs of at least min_speech_seconds, or of a short word's peak)."""
+
+    def as_16_bit(x: np.ndarray, peak_dbfs: float) -> np.ndarray:
+        y = x / max(float(np.abs(x).max()), 1e-12) * 10 ** (peak_dbfs / 20)
+        return (np.round(y * 32767) / 32767).astype(np.float32)
+
+    def probs_of(audio: np.ndarray, gain: bool) -> np.ndarray:
+        level = policy.detector_target_dbfs
+        stream = SpeechStream(
+            detector, LevelGain.from_dbfs(level, policy.detector_max_gain_db) if gain else None
+        )
+        stream.push(audio)
+        stream.finish()
+        return stream.map()
+
+    def speech_runs(probs: np.ndarray) -> list[tuple[int, int]]:
+        short = policy.short_speech_threshold
+        keep = lambda a, b: (b - a) * FRAME_SECONDS >= policy.min_speech_seconds  # noqa: E731
+        return [(a, b) for a, b in runs(probs, policy) if keep(a, b) or probs[a:b].max() >= short]
+
+    def frames_of(probs: np.ndarray) -> np.ndarray:
+        mask = np.zeros(len(probs), bool)
+        for a, b in speech_runs(probs):
+            mask[a:b] = True
+        return mask
+
+    print("## level: speech frames found at a peak of L dBFS (16-bit), against the input's own")
+    target, most = policy.detector_target_dbfs, policy.detector_max_gain_db
+    print(f"   gain: target {target} dBFS, at most +{most} dB")
+    levels = (-20, -30, -40, -50, -60, -70, -80)
+    speech_items = [i for i in items if "snr None" in i["name"] or "demo" in i["name"]]
+    for gain in (False, True):
+        for level in levels:
+            found = added = total = 0
+            worst = (1.0, "")
+            for item in speech_items:
+                own = frames_of(probs_of(item["audio"], gain=False))
+                at = frames_of(probs_of(as_16_bit(item["audio"], level), gain))
+                n = min(len(own), len(at))
+                hit = int((own[:n] & at[:n]).sum())
+                found, total = found + hit, total + int(own.sum())
+                added += int((at[:n] & ~own[:n]).sum())
+                if own.sum():
+                    worst = min(worst, (hit / own.sum(), item["name"]))
+            print(
+                f"  gain {'on ' if gain else 'off'} {level:4d} dBFS: "
+                f"recall {found / max(total, 1):.3f} "
+                f"(worst {worst[0]:.2f} {worst[1]}), added {added * FRAME_SECONDS:.1f} s "
+                f"over {len(speech_items)} inputs"
+            )
+    rng = np.random.default_rng(2)
+    quiet = {
+        "digital silence 60 s": silence(60.0),
+        "dithered silence 60 s (+-1 LSB)": (
+            (rng.integers(0, 2, 60 * RATE) - rng.integers(0, 2, 60 * RATE)) / 32767
+        ).astype(np.float32),
+    }
+    print("\n## level: non-speech, stretches called speech (gain off / on)")
+    for name, audio in {**non_speech(), **quiet}.items():
+        row = []
+        for down in (0, 30, 50):
+            x = (audio * 10 ** (-down / 20)).astype(np.float32)
+            x = (np.round(x * 32767) / 32767).astype(np.float32)
+            off, on = (speech_runs(probs_of(x, g)) for g in (False, True))
+            seconds = lambda r: sum(b - a for a, b in r) * FRAME_SECONDS  # noqa: E731
+            row.append(f"-{down} dB: {len(off)}/{len(on)} ({seconds(off):.1f}/{seconds(on):.1f} s)")
+            if not np.abs(audio).max():
+                break
+        print(f"  {name:32s} " + "  ".join(row))
 
 
 # --- through the pipeline -----------------------------------------------------------------------
@@ -729,7 +812,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", default=None)
     parser.add_argument(
-        "--only", choices=["detector", "text", "ends", "spans", "cuts", "repeats"], default=None
+        "--only",
+        choices=["detector", "level", "text", "ends", "spans", "cuts", "repeats"],
+        default=None,
     )
     args = parser.parse_args()
     detector = load_detector()
@@ -740,7 +825,10 @@ def main() -> None:
         if args.only in (None, "detector"):
             onsets_and_short(items, detector, Policy())
             real_onsets(str(REPO / "models" / "base"), detector, Path(tmp))
-        for model in args.model or [str(REPO / "models" / "tiny.en")]:
+        if args.only in (None, "level"):
+            level_evidence(items, detector, Policy())
+        models = args.model or [str(REPO / "models" / "tiny.en")]
+        for model in models if args.only != "level" else []:
             if args.only in (None, "text"):
                 text_evidence(model, items, Path(tmp))
             if args.only in (None, "ends"):

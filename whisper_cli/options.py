@@ -61,6 +61,19 @@ class Policy:
     # dataclasses.replace keeps a derived value: give None with a new vad_threshold.
     vad_threshold: float = 0.5
     vad_neg_threshold: float | None = None
+    # The detector hears a quiet input brought up to this peak level (dBFS), by at most
+    # detector_max_gain_db (speech.LevelGain; None: as it is). Silero's scores fall with
+    # the level while Whisper still hears the words. scripts/calibrate_speech.py --only
+    # level (eSpeak, 4 languages, 5 voices, and the demo sample, each stored as 16-bit at
+    # a peak of L dBFS; the speech frames it finds at its own level found again): without
+    # a gain 0.98 of them at -30, 0.85 at -40, 0.45 at -50, 0.08 at -60, none at -70; with
+    # this one 0.98, 0.98, 0.98, 0.95 and 0.85. No non-speech signal of its set (clicks,
+    # knocks, bursts, beeps, music, hum, noise; at their level, 30 and 50 dB down) nor
+    # 16-bit silence, dithered or not, became speech. A target of -20 found 0.99-0.97
+    # down to -60 but made a stretch of speech of the music 30 dB down; +60 dB found
+    # less at -70 and -80 (the steps of 16-bit audio, lifted, mask the speech).
+    detector_target_dbfs: float | None = -30.0
+    detector_max_gain_db: float = 50.0
     # Speech shorter than this is a click or a breath, not a word: Silero's default
     # min_speech_duration_ms (250) ...
     min_speech_seconds: float = 0.25
@@ -211,6 +224,7 @@ class Policy:
             "segment_speech_per_token_seconds",
             "gap_speech_seconds",
             "repeat_min_span_fraction",
+            "detector_max_gain_db",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

@@ -11,7 +11,8 @@ the front end (its learned STFT taken by FFT where its filters are a windowed DF
 the shipped model's are) runs over every frame of a block at once and the LSTM over the whole
 block as one sequence (one fused kernel call), with the context and LSTM state carried
 from block to block, so the map of an input of any length is computed as it streams.
-It runs in float32 whatever the run's dtype (a listed exception in dtypes.py).
+It runs in float32 whatever the run's dtype (a listed exception in dtypes.py). A quiet
+input is scored at a gain (LevelGain) that brings it to the level Silero scores well.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from whisper_cli.errors import WhisperCliError
 FRAME_SAMPLES = 512  # one speech-map frame: 32 ms
 FRAME_SECONDS = FRAME_SAMPLES / SAMPLE_RATE
 CONTEXT_SAMPLES = 64  # each frame is scored with the 64 samples before it
+# A level the input holds this many frames (96 ms) sets the detector's gain (LevelGain).
+SUSTAIN_FRAMES = 3
 # The release whose weights and thresholds the policy was calibrated with (pinned in
 # pyproject.toml: Silero's thresholds change between major versions).
 SILERO_PACKAGE = "silero-vad"
@@ -154,15 +157,57 @@ def load_detector(path: Path | None = None) -> SileroVAD:
 
 
 @dataclass
+class LevelGain:
+    """The gain a frame is scored at, from the frames before it (causal, so the map is
+    the same whatever blocks the audio arrives in, and waits for nothing): `target` over
+    the loudest level the input has held so far, at least 1 and at most `max_gain`, and
+    never more than brings the frame's own peak to `target`.
+
+    A level is "held" where it lasts SUSTAIN_FRAMES frames (the least peak among them):
+    a click does not set the gain of the rest of the input, a syllable does. With an
+    input at an ordinary level the gain is 1 once its first sound has been heard; frames
+    before it are brought up to at most `target`, as a louder recording of the same room
+    would be.
+    """
+
+    target: float
+    max_gain: float
+    _held: float = 0.0  # the loudest sustained peak so far
+    _recent: list[float] = field(default_factory=list)  # the last frames' peaks
+
+    @classmethod
+    def from_dbfs(cls, target_dbfs: float, max_gain_db: float) -> LevelGain:
+        return cls(10 ** (target_dbfs / 20), 10 ** (max_gain_db / 20))
+
+    def of(self, peaks: np.ndarray) -> np.ndarray:
+        """(N,) float32 gains of the next N frames, given their peaks; advances the state."""
+        gains = np.empty(len(peaks), np.float32)
+        for i, peak in enumerate(peaks.tolist()):
+            self._recent = [*self._recent[-(SUSTAIN_FRAMES - 1) :], peak]
+            if len(self._recent) == SUSTAIN_FRAMES:
+                self._held = max(self._held, min(self._recent))
+            level = max(self._held, peak)
+            gains[i] = min(self.max_gain, max(1.0, self.target / level)) if level else self.max_gain
+        return gains
+
+
+@dataclass
 class SpeechStream:
     """The speech map of one input, computed block by block as its audio streams.
 
     `push` takes 16 kHz mono samples and returns the probabilities of the frames they
     complete; `finish` scores the last partial frame (zero-padded, as Silero does).
     `probs` holds every frame's probability so far (4 bytes per 32 ms: 450 KB an hour).
+
+    The detector hears a quiet input at a level it was trained on: Silero's speech
+    probability falls with the level (jfk.flac's speech frames: 68% at its own peak of
+    -2 dBFS, 41% at -40, none at -50), while Whisper still writes every word at -70. So a
+    frame is scored at `level_gain` (see there): 1 wherever the input has been loud
+    enough, more where all of it so far has been quiet. None: the input as it is.
     """
 
     detector: SileroVAD
+    level_gain: LevelGain | None = None
     probs: list[np.ndarray] = field(default_factory=list)
     _pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     _context: np.ndarray = field(default_factory=lambda: np.zeros(CONTEXT_SAMPLES, np.float32))
@@ -198,6 +243,9 @@ class SpeechStream:
         started = time.perf_counter()
         with torch.inference_mode():
             x = torch.from_numpy(frames.copy())  # (N, 576), a writable copy of the strided view
+            if self.level_gain is not None:
+                peaks = np.abs(data.reshape(n, FRAME_SAMPLES)).max(axis=1)
+                x *= torch.from_numpy(self.level_gain.of(peaks))[:, None]
             probs, self._state = self.detector(x, self._state)
         self.seconds += time.perf_counter() - started
         out = probs.numpy().astype(np.float32)

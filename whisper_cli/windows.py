@@ -40,7 +40,7 @@ import numpy as np
 from whisper_cli.audio import SAMPLE_RATE
 from whisper_cli.features import CHUNK_SECONDS
 from whisper_cli.options import Policy
-from whisper_cli.speech import FRAME_SAMPLES, FRAME_SECONDS, SileroVAD, SpeechStream
+from whisper_cli.speech import FRAME_SAMPLES, FRAME_SECONDS, LevelGain, SileroVAD, SpeechStream
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,10 @@ class WindowCutter:
         self.starving = False  # reading the latest block waited for the input
         self.vad = vad
         self.source = source
-        self.stream = SpeechStream(detector)
+        gain = None
+        if policy.detector_target_dbfs is not None:
+            gain = LevelGain.from_dbfs(policy.detector_target_dbfs, policy.detector_max_gain_db)
+        self.stream = SpeechStream(detector, gain)
         frames = lambda s: max(0, round(s / FRAME_SECONDS))  # noqa: E731
         self.max_frames = int(max_seconds / FRAME_SECONDS)  # 937 frames: 29.98 s
         # ... and the input's last, partial frame may take a window to the full 30 s: an
