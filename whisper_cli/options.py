@@ -89,13 +89,14 @@ class Policy:
     min_silence_seconds: float = 2.0
     # Audio kept before each stretch of speech: the detector's onset lags the first
     # sound of a soft consonant. scripts/calibrate_speech.py: by at most 0.10 s over
-    # eSpeak's 391 onsets (5 voices, 4 languages, 0 and -20 dB, in noise) and the demo
-    # sample's (0.10 s against its reference times); word timing with the map off dates
+    # eSpeak's 418 onsets (5 voices, 4 languages, 0 and -20 dB, in noise) and 0.14 s for
+    # the demo sample's (against its reference times; 0.10 s before the detector's gain
+    # below lifted its quiet start); word timing with the map off dates
     # a first word after silence 0.4-1.1 s before the detector's onset, but that is word
     # timing stretching the word over the silence. Longer is not free: Whisper dates a
     # window's first segment at the window's start when it opens on silence (eSpeak's
     # "And so it begins" after 5 s of silence: 0.97 s early with a 1 s lead). 0.6 s is
-    # six times the measured lag, and bounds that error.
+    # four times the largest measured lag, and bounds that error.
     speech_lead_seconds: float = 0.6
     # Audio kept after each stretch: faster-whisper's speech_pad_ms default (400).
     speech_tail_seconds: float = 0.4
