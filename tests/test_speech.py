@@ -27,6 +27,7 @@ from whisper_cli.speech import (
     load_detector,
     silero_archive_path,
 )
+from whisper_cli.windows import level_gain
 
 RATE = SAMPLE_RATE
 JFK = (
@@ -137,8 +138,7 @@ def test_a_quiet_inputs_map_is_its_loud_copys_whatever_the_blocks() -> None:
     quiet = (jfk * dbfs(-40)).astype(np.float32)
 
     def mapped(audio: np.ndarray, gain: bool, blocks: int | None = None) -> np.ndarray:
-        level = LevelGain.from_dbfs(policy.detector_target_dbfs, policy.detector_max_gain_db)
-        stream = SpeechStream(detector, level if gain else None)
+        stream = SpeechStream(detector, level_gain(policy) if gain else None)
         rng, i = np.random.default_rng(0), 0
         while i < len(audio):
             n = len(audio) if blocks is None else int(rng.integers(1, blocks))

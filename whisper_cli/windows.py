@@ -43,6 +43,13 @@ from whisper_cli.options import Policy
 from whisper_cli.speech import FRAME_SAMPLES, FRAME_SECONDS, LevelGain, SileroVAD, SpeechStream
 
 
+def level_gain(policy: Policy) -> LevelGain | None:
+    """A fresh state of the detector's gain for one input (None: the policy has none)."""
+    if policy.detector_target_dbfs is None:
+        return None
+    return LevelGain.from_dbfs(policy.detector_target_dbfs, policy.detector_max_gain_db)
+
+
 @dataclass(frozen=True)
 class Window:
     """A stretch of one input that is transcribed on its own."""
@@ -110,10 +117,7 @@ class WindowCutter:
         self.starving = False  # reading the latest block waited for the input
         self.vad = vad
         self.source = source
-        gain = None
-        if policy.detector_target_dbfs is not None:
-            gain = LevelGain.from_dbfs(policy.detector_target_dbfs, policy.detector_max_gain_db)
-        self.stream = SpeechStream(detector, gain)
+        self.stream = SpeechStream(detector, level_gain(policy))
         frames = lambda s: max(0, round(s / FRAME_SECONDS))  # noqa: E731
         self.max_frames = int(max_seconds / FRAME_SECONDS)  # 937 frames: 29.98 s
         # ... and the input's last, partial frame may take a window to the full 30 s: an
