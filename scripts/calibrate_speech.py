@@ -57,7 +57,8 @@ from whisper_cli.audio import SAMPLE_RATE, load_audio  # noqa: E402
 from whisper_cli.dtypes import resolve_policy  # noqa: E402
 from whisper_cli.loading import load_model  # noqa: E402
 from whisper_cli.options import Policy, TranscribeOptions  # noqa: E402
-from whisper_cli.speech import FRAME_SECONDS, LevelGain, SpeechStream, load_detector  # noqa: E402
+from whisper_cli.speech import FRAME_SECONDS, SpeechStream, load_detector  # noqa: E402
+from whisper_cli.windows import level_gain  # noqa: E402
 
 RATE = SAMPLE_RATE
 DEMO = REPO / ".cache" / "demo"
@@ -286,9 +287,7 @@ def runs(probs: np.ndarray, policy: Policy) -> list[tuple[int, int]]:
 
 def speech_map(audio: np.ndarray, detector) -> np.ndarray:
     """The map the product makes (the default policy's gain)."""
-    p = Policy()
-    gain = LevelGain.from_dbfs(p.detector_target_dbfs, p.detector_max_gain_db)
-    stream = SpeechStream(detector, gain)
+    stream = SpeechStream(detector, level_gain(Policy()))
     stream.push(audio)
     stream.finish()
     return stream.map()
@@ -350,10 +349,7 @@ def level_evidence(items: list[dict], detector, policy: Policy) -> None:
         return (np.round(y * 32767) / 32767).astype(np.float32)
 
     def probs_of(audio: np.ndarray, gain: bool) -> np.ndarray:
-        level = policy.detector_target_dbfs
-        stream = SpeechStream(
-            detector, LevelGain.from_dbfs(level, policy.detector_max_gain_db) if gain else None
-        )
+        stream = SpeechStream(detector, level_gain(policy) if gain else None)
         stream.push(audio)
         stream.finish()
         return stream.map()

@@ -65,14 +65,19 @@ class Policy:
     # detector_max_gain_db (speech.LevelGain; None: as it is). Silero's scores fall with
     # the level while Whisper still hears the words. scripts/calibrate_speech.py --only
     # level (eSpeak, 4 languages, 5 voices, and the demo sample, each stored as 16-bit at
-    # a peak of L dBFS; the speech frames it finds at its own level found again): without
-    # a gain 0.98 of them at -30, 0.85 at -40, 0.45 at -50, 0.08 at -60, none at -70; with
-    # this one 0.98, 0.98, 0.98, 0.95 and 0.85. No non-speech signal of its set (clicks,
-    # knocks, bursts, beeps, music, hum, noise; at their level, 30 and 50 dB down) nor
-    # 16-bit silence, dithered or not, became speech. A target of -20 found 0.99-0.97
-    # down to -60 but made a stretch of speech of the music 30 dB down; +60 dB found
-    # less at -70 and -80 (the steps of 16-bit audio, lifted, mask the speech).
-    detector_target_dbfs: float | None = -30.0
+    # a peak of L dBFS; the speech frames found at its own level found again): without a
+    # gain 0.98 of them at -30, 0.85 at -40, 0.45 at -50, 0.08 at -60, none at -70; with
+    # this one 0.990, 0.991, 0.985, 0.971 and 0.890. The onsets of the inputs at their
+    # own level (419): at most 0.10 s late, as without a gain. Of its non-speech (clicks,
+    # knocks, bursts, beeps, music, hum, noise; at their level, 30 and 50 dB down) and
+    # 16-bit silence, dithered or not, only the music 30 dB down made a stretch of speech
+    # (0.2 s). A target of -30 made none, but jfk.flac stored at -55 and -60 dBFS lost
+    # its soft first word ("And"), recall at -60 was 0.95, and the demo sample's first
+    # "Hello?" was heard 0.03 s late, as 0.09 s of speech. +60 dB found less at -70 and
+    # -80 (16-bit steps, lifted, mask the speech). A gain looking 2 s ahead (the room
+    # before a first word scored at the speech's gain) heard that "Hello?" late at -20
+    # too, and lost jfk's "And" at -30.
+    detector_target_dbfs: float | None = -20.0
     detector_max_gain_db: float = 50.0
     # Speech shorter than this is a click or a breath, not a word: Silero's default
     # min_speech_duration_ms (250) ...
@@ -89,14 +94,14 @@ class Policy:
     min_silence_seconds: float = 2.0
     # Audio kept before each stretch of speech: the detector's onset lags the first
     # sound of a soft consonant. scripts/calibrate_speech.py: by at most 0.10 s over
-    # eSpeak's 418 onsets (5 voices, 4 languages, 0 and -20 dB, in noise) and 0.14 s for
-    # the demo sample's (against its reference times; 0.10 s before the detector's gain
-    # below lifted its quiet start); word timing with the map off dates
+    # eSpeak's 418 onsets (5 voices, 4 languages, 0 and -20 dB, in noise) and the demo
+    # sample's (0.10 s against its reference times), with the detector's gain (below) as
+    # without it; word timing with the map off dates
     # a first word after silence 0.4-1.1 s before the detector's onset, but that is word
     # timing stretching the word over the silence. Longer is not free: Whisper dates a
     # window's first segment at the window's start when it opens on silence (eSpeak's
     # "And so it begins" after 5 s of silence: 0.97 s early with a 1 s lead). 0.6 s is
-    # four times the largest measured lag, and bounds that error.
+    # six times the measured lag, and bounds that error.
     speech_lead_seconds: float = 0.6
     # Audio kept after each stretch: faster-whisper's speech_pad_ms default (400).
     speech_tail_seconds: float = 0.4
