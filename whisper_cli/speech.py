@@ -158,10 +158,10 @@ def load_detector(path: Path | None = None) -> SileroVAD:
 
 @dataclass
 class LevelGain:
-    """The gain a frame is scored at, from the frames before it (causal, so the map is
-    the same whatever blocks the audio arrives in, and waits for nothing): `target` over
-    the loudest level the input has held so far, at least 1 and at most `max_gain`, and
-    never more than brings the frame's own peak to `target`.
+    """The gain a frame is scored at, from it and the frames before it (causal, so the
+    map is the same whatever blocks the audio arrives in, and waits for nothing):
+    `target` over the loudest level the input has held so far, at least 1 and at most
+    `max_gain`, and never more than brings the frame's own peak to `target`.
 
     A level is "held" where it lasts SUSTAIN_FRAMES frames (the least peak among them):
     a click does not set the gain of the rest of the input, a syllable does. With an
