@@ -95,10 +95,10 @@ class Policy:
     # Audio kept before each stretch of speech: the detector's onset lags the first
     # sound of a soft consonant. scripts/calibrate_speech.py: by at most 0.10 s over
     # eSpeak's 418 onsets (5 voices, 4 languages, 0 and -20 dB, in noise) and the demo
-    # sample's (0.10 s against its reference times), with the detector's gain (below) as
-    # without it; word timing with the map off dates
-    # a first word after silence 0.4-1.1 s before the detector's onset, but that is word
-    # timing stretching the word over the silence. Longer is not free: Whisper dates a
+    # sample's (0.10 s against its reference times), with the detector's gain (above)
+    # as without it; word timing with the map off dates a first word after silence
+    # 0.4-1.1 s before the detector's onset, but that is word timing stretching the
+    # word over the silence. Longer is not free: Whisper dates a
     # window's first segment at the window's start when it opens on silence (eSpeak's
     # "And so it begins" after 5 s of silence: 0.97 s early with a 1 s lead). 0.6 s is
     # six times the measured lag, and bounds that error.
