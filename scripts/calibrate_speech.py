@@ -370,12 +370,15 @@ def level_evidence(items: list[dict], detector, policy: Policy) -> None:
     print(f"   gain: target {target} dBFS, at most +{most} dB")
     levels = (-20, -30, -40, -50, -60, -70, -80)
     speech_items = [i for i in items if "snr None" in i["name"] or "demo" in i["name"]]
+    own_frames = {
+        item["name"]: frames_of(probs_of(item["audio"], gain=False)) for item in speech_items
+    }
     for gain in (False, True):
         for level in levels:
             found = added = total = 0
             worst = (1.0, "")
             for item in speech_items:
-                own = frames_of(probs_of(item["audio"], gain=False))
+                own = own_frames[item["name"]]
                 at = frames_of(probs_of(as_16_bit(item["audio"], level), gain))
                 n = min(len(own), len(at))
                 hit = int((own[:n] & at[:n]).sum())
