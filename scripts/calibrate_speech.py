@@ -12,7 +12,10 @@ It prints, per question:
           sample and the shared clips 20 dB down and in noise (-> speech_lead_seconds)
   level   the speech frames found with each input stored at a peak of -20 to -80 dBFS,
           with the detector's gain and without it, and the non-speech at its level and
-          30 and 50 dB down (-> detector_target_dbfs, detector_max_gain_db)
+          30 and 50 dB down (-> detector_target_dbfs, detector_max_gain_db); then speech
+          at -20 to -50 dBFS after 6 s of something loud (a chord, music, noise, a loud
+          talker), and non-speech after a loud talker (no policy value yet: the
+          detector misses speech far below a loud sound just before it)
   short   the peak speech probability of stretches shorter than min_speech_seconds, for
           short words and for non-speech (-> short_speech_threshold)
   text    for every segment decoded with the map on: the speech under it (per margin),
@@ -57,7 +60,7 @@ from whisper_cli.audio import SAMPLE_RATE, load_audio  # noqa: E402
 from whisper_cli.dtypes import resolve_policy  # noqa: E402
 from whisper_cli.loading import load_model  # noqa: E402
 from whisper_cli.options import Policy, TranscribeOptions  # noqa: E402
-from whisper_cli.speech import FRAME_SECONDS, SpeechStream, load_detector  # noqa: E402
+from whisper_cli.speech import FRAME_SAMPLES, FRAME_SECONDS, SpeechStream, load_detector  # noqa: E402
 from whisper_cli.windows import level_gain  # noqa: E402
 
 RATE = SAMPLE_RATE
@@ -410,6 +413,61 @@ def level_evidence(items: list[dict], detector, policy: Policy) -> None:
             row.append(f"-{down} dB: {len(off)}/{len(on)} ({seconds(off):.1f}/{seconds(on):.1f} s)")
             if not np.abs(audio).max():
                 break
+        print(f"  {name:32s} " + "  ".join(row))
+
+    # Speech after something loud: the gain keeps the loudest level held, and Silero's
+    # state remembers a loud level for seconds, so speech far below a loud sound just
+    # before it is missed (jfk.flac 19 dB under a chord that ends 1 s before it: none of
+    # its speech found; at the chord's level, or with the state reset after the chord,
+    # all of it).
+    loud_talker = next(i["audio"] for i in items if i["name"] == "en paragraph speed 160 snr None")
+    rate6 = 6 * RATE
+    leads = {
+        "chord": tone(6.0, (261.6, 329.6, 392.0, 523.3)),
+        "music": non_speech()["music (chords, 250 ms notes)"][:rate6],
+        "white noise": noise("white", rate6, 9),
+        "a loud talker": loud_talker[:rate6],
+    }
+    floor = (0.001 * noise("white", 10 * 60 * RATE, 5)).astype(np.float32)  # -60 dBFS
+    later = [i for i in speech_items if i["audio"] is not loud_talker]
+    print("\n## level: speech after 6 s of something at -1 dBFS, then 1 s of silence (gap)")
+    print("   or straight on over white noise at -60 dBFS (floor): speech frames found at its")
+    print("   own level found again, and how late its first speech is found (p50 / max, s)")
+    for name, lead in leads.items():
+        for way in ("gap", "floor"):
+            row = []
+            for level in (-20, -35, -50):
+                found = total = 0
+                late = []
+                for item in later:
+                    speech = as_16_bit(item["audio"], level)
+                    if way == "gap":
+                        x = np.concatenate([as_16_bit(lead, -1), silence(1.0), speech])
+                    else:
+                        x = np.concatenate([as_16_bit(lead, -1), speech + floor[: len(speech)]])
+                    own = own_frames[item["name"]]
+                    at = frames_of(probs_of(x, gain=True))[-len(own) :]
+                    found, total = found + int((own & at).sum()), total + int(own.sum())
+                    if own.any():  # from 0.3 s before its first speech (the lead's own
+                        start = max(int(np.argmax(own)) - 10, 0)  # speech may run on)
+                        after = np.flatnonzero(at[start:])
+                        first = start + int(after[0]) if len(after) else len(at)
+                        late.append((first - int(np.argmax(own))) * FRAME_SECONDS)
+                row.append(
+                    f"{level}: {found / max(total, 1):.3f} "
+                    f"({np.median(late):.2f} / {max(late):.2f})"
+                )
+            print(f"  {name:14s} {way:5s} " + "  ".join(row))
+    print("\n## level: non-speech after 6 s of a loud talker: stretches called speech in it")
+    for name, audio in non_speech().items():
+        row = []
+        for down in (0, 30, 50):
+            x = as_16_bit(audio, -down + 20 * np.log10(max(float(np.abs(audio).max()), 1e-12)))
+            x = np.concatenate([as_16_bit(loud_talker[:rate6], -1), silence(1.0), x])
+            probs = probs_of(x, gain=True)[rate6 // FRAME_SAMPLES + 32 :]
+            found = speech_runs(probs)
+            seconds = sum(b - a for a, b in found) * FRAME_SECONDS
+            row.append(f"-{down} dB: {len(found)} ({seconds:.1f} s)")
         print(f"  {name:32s} " + "  ".join(row))
 
 
