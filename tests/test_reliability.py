@@ -448,6 +448,63 @@ def test_a_quiet_recording_keeps_every_word(tmp_path, default_transcriber, model
     assert sum(a == b for a, b in zip(said, heard, strict=True)) >= len(said) - 3, result.text
 
 
+def loud_then(quiet: np.ndarray, lead: str) -> np.ndarray:
+    """6 s of something at -1 dBFS (a chord, or stereo_diarization's right channel, a
+    near voice), 1 s of silence, then `quiet`."""
+    if lead == "chord":
+        t = np.arange(6 * RATE) / RATE
+        sound = sum(np.sin(2 * np.pi * f * t) for f in (261.6, 329.6, 392.0, 523.3))
+    else:
+        sound = load_audio(shared_clip("stereo_diarization.wav"), channel="right")
+    sound = sound / np.abs(sound).max() * 10 ** (-1 / 20)
+    return np.concatenate([sound, np.zeros(RATE), quiet]).astype(np.float32)
+
+
+@pytest.mark.parametrize("model", ["tiny.en", "base"])
+@pytest.mark.parametrize("lead", ["chord", "near voice"])
+def test_quiet_speech_after_a_loud_sound_keeps_every_word(
+    tmp_path, default_transcriber, model, lead
+):
+    """jfk.flac at -45 dBFS, 1 s after 6 s of a chord or of a near voice at -1 dBFS, as a
+    16-bit file holds it: every word is written. The detector's state remembers the loud
+    level and its gain follows the loudest level so far: before the quiet section was
+    heard again (speech.QuietSection) none of jfk's words were written after either."""
+    samples = load_audio(shared_clip("jfk.flac"))
+    quiet = samples / np.abs(samples).max() * 10 ** (-45 / 20)
+    path = write_wav(tmp_path / "loud_then_quiet.wav", loud_then(quiet, lead), subtype="PCM_16")
+    result = default_transcriber(model).transcribe(str(path))
+    heard = words(result.text)
+    if lead == "near voice":
+        assert heard.startswith("the horizon seems extremely distant "), result.text
+        heard = heard.removeprefix("the horizon seems extremely distant ")
+    said, heard = JFK_WORDS.split(), heard.split()
+    assert len(heard) == len(said), result.text
+    assert sum(a == b for a, b in zip(said, heard, strict=True)) >= len(said) - 2, result.text
+
+
+@pytest.mark.parametrize("model", ["tiny.en", "base"])
+@pytest.mark.parametrize("kind", ["white noise -70 dBFS", "music 40 dB down", "dithered silence"])
+def test_quiet_non_speech_after_a_near_voice_gives_no_text(
+    tmp_path, default_transcriber, model, kind
+):
+    """A near voice at -1 dBFS, then 20 s of quiet non-speech, which the quiet section is
+    heard again at its own gain: only the voice's words are written."""
+    rng = np.random.default_rng(3)
+    n = 20 * RATE
+    if kind == "white noise -70 dBFS":
+        after = rng.standard_normal(n) * 10 ** (-70 / 20) / 4
+    elif kind == "music 40 dB down":  # a note every 250 ms, 40 dB under the voice
+        notes = 220.0 * 2 ** (rng.integers(0, 12, n // (RATE // 4) + 1) / 12)
+        pitch = np.repeat(notes, RATE // 4)[:n]
+        after = 0.3 * np.sin(2 * np.pi * np.cumsum(pitch) / RATE) * 10 ** (-40 / 20)
+    else:
+        after = (rng.integers(0, 2, n) - rng.integers(0, 2, n)) / 32767
+    audio = loud_then(after.astype(np.float32), "near voice")
+    path = write_wav(tmp_path / "voice_then_quiet.wav", audio, subtype="PCM_16")
+    result = default_transcriber(model).transcribe(str(path))
+    assert words(result.text) == "the horizon seems extremely distant", result.text
+
+
 def check_speech_kept(monkeypatch, t, model: str, clip: str, expect: str) -> None:
     seen = guard_spy(monkeypatch, t)
     result = t.transcribe(str(shared_clip(clip)))

@@ -79,6 +79,22 @@ class Policy:
     # too, and lost jfk's "And" at -30.
     detector_target_dbfs: float | None = -20.0
     detector_max_gain_db: float = 50.0
+    # A quiet section (speech.QuietSection: the input quiet_drop_db or more below its
+    # loudest level for quiet_hold_seconds, from a sound quiet_room_db over the room) is
+    # heard again from a fresh detector state at its own gain, and what that hearing calls
+    # speech for min_speech_seconds running is added to the map (None: not heard again).
+    # scripts/calibrate_speech.py --only level (eSpeak and the demo sample, after 6 s of a
+    # chord, music, noise or a loud talker at -1 dBFS; speech frames found at its own
+    # level found again): after 1 s of silence, speech at -35 dBFS 0.96-0.97 (without:
+    # 0.79-0.92) and at -50 0.95-0.96 (0.04-0.41), its first speech found at most 3.4 s
+    # late (31 s); straight on over a -60 dBFS floor, at -35 0.93-0.97 (0.03-0.36; at -50,
+    # under the floor's peaks, none either way). The level rows, the 419 onsets and every
+    # non-speech row the same as without it, and no stretch of speech in non-speech after
+    # a loud talker. 15 dB gave the same; 25 dB lost speech at -20 straight after a chord
+    # or music (0.88-0.89, from 0.96-0.97); a hold of 0.5 s about the same as 1 s.
+    quiet_drop_db: float | None = 20.0
+    quiet_hold_seconds: float = 1.0
+    quiet_room_db: float = 10.0
     # Speech shorter than this is a click or a breath, not a word: Silero's default
     # min_speech_duration_ms (250) ...
     min_speech_seconds: float = 0.25
@@ -231,9 +247,13 @@ class Policy:
             "gap_speech_seconds",
             "repeat_min_span_fraction",
             "detector_max_gain_db",
+            "quiet_hold_seconds",
+            "quiet_room_db",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.quiet_drop_db is not None and self.quiet_drop_db <= 0:
+            raise ValueError("quiet_drop_db must be > 0 (or None)")
 
 
 # The latency bound of a run with live input (a pipe on stdin) that sets none: the text of

@@ -12,13 +12,15 @@ the shipped model's are) runs over every frame of a block at once and the LSTM o
 block as one sequence (one fused kernel call), with the context and LSTM state carried
 from block to block, so the map of an input of any length is computed as it streams.
 It runs in float32 whatever the run's dtype (a listed exception in dtypes.py). A quiet
-input is scored at a gain (LevelGain) that brings it to the level Silero scores well.
+input is scored at a gain (LevelGain) that brings it to the level Silero scores well, and
+a quiet stretch after a loud one is heard again from a fresh state (QuietSection).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +38,8 @@ FRAME_SECONDS = FRAME_SAMPLES / SAMPLE_RATE
 CONTEXT_SAMPLES = 64  # each frame is scored with the 64 samples before it
 # A level the input holds this many frames (96 ms) sets the detector's gain (LevelGain).
 SUSTAIN_FRAMES = 3
+# The room's level: the least frame peak over this many frames (3 s) (QuietSection).
+ROOM_FRAMES = 94
 # The release whose weights and thresholds the policy was calibrated with (pinned in
 # pyproject.toml: Silero's thresholds change between major versions).
 SILERO_PACKAGE = "silero-vad"
@@ -192,6 +196,62 @@ class LevelGain:
 
 
 @dataclass
+class QuietSection:
+    """Where an input has fallen far below its loudest level: a quiet voice after loud
+    music or after a near voice. Silero's state remembers a loud level for seconds
+    (jfk.flac 19 dB under a chord that ends 1 s before it: none of its speech found; at
+    the chord's level, or heard with a fresh state, all of it), and LevelGain, which
+    follows the loudest level so far, does not lift it. So such a section is heard a
+    second time, by a detector state started fresh at the section's own gain
+    (SpeechStream), and what that second hearing calls speech is added to the map.
+
+    A section opens at a sound (a level held SUSTAIN_FRAMES frames, at least `above_room`
+    over the room: the least frame peak of the last ROOM_FRAMES) once the input has been
+    `drop` or more below its loudest level for `hold_frames`; it closes where the input
+    comes back within `drop` of its loudest. A pause inside speech at one level opens
+    nothing (what follows it is not far below the loudest), nor does the room in a pause
+    (not above itself). Causal and per frame, as LevelGain.
+    """
+
+    drop: float  # a factor > 1
+    hold_frames: int
+    above_room: float  # a factor >= 1
+    _loudest: float = 0.0  # the loudest sustained peak so far
+    _quiet: int = 0  # frames since the input was last within `drop` of it
+    _open: bool = False
+    _recent: deque[float] = field(default_factory=lambda: deque(maxlen=SUSTAIN_FRAMES))
+    _room: deque[float] = field(default_factory=lambda: deque(maxlen=ROOM_FRAMES))
+
+    @classmethod
+    def from_db(cls, drop_db: float, hold_seconds: float, above_room_db: float) -> QuietSection:
+        return cls(
+            drop=10 ** (drop_db / 20),
+            hold_frames=round(hold_seconds / FRAME_SECONDS),
+            above_room=10 ** (above_room_db / 20),
+        )
+
+    def of(self, peaks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(N,) bool frames inside a section and (N,) bool frames that open one, for the
+        next N frames, given their peaks; advances the state."""
+        inside = np.zeros(len(peaks), bool)
+        opens = np.zeros(len(peaks), bool)
+        for i, peak in enumerate(peaks.tolist()):
+            self._recent.append(peak)
+            self._room.append(peak)
+            now = min(self._recent) if len(self._recent) == SUSTAIN_FRAMES else 0.0
+            self._loudest = max(self._loudest, now)
+            if now * self.drop > self._loudest:
+                self._quiet, self._open = 0, False
+            else:
+                self._quiet += 1
+                sound = now > 0 and now >= min(self._room) * self.above_room
+                if not self._open and self._quiet >= self.hold_frames and sound:
+                    self._open = opens[i] = True
+            inside[i] = self._open
+        return inside, opens
+
+
+@dataclass
 class SpeechStream:
     """The speech map of one input, computed block by block as its audio streams.
 
@@ -204,14 +264,27 @@ class SpeechStream:
     -2 dBFS, 41% at -40, none at -50), while Whisper still writes every word at -70. So a
     frame is scored at `level_gain` (see there): 1 wherever the input has been loud
     enough, more where all of it so far has been quiet. None: the input as it is.
+
+    Inside a `quiet` section (see QuietSection) the frames are also scored by a second
+    detector state, started fresh where the section opens, at a gain of the section's
+    own (a fresh copy of `level_gain`); where it calls `min_run` frames running speech
+    (at `threshold`), those frames take the higher of the two probabilities. So it adds
+    speech, never removes any, and a breath or a click (shorter) adds nothing. None: no
+    second hearing.
     """
 
     detector: SileroVAD
     level_gain: LevelGain | None = None
+    quiet: QuietSection | None = None
+    threshold: float = 0.5
+    min_run: int = 8
     probs: list[np.ndarray] = field(default_factory=list)
     _pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     _context: np.ndarray = field(default_factory=lambda: np.zeros(CONTEXT_SAMPLES, np.float32))
     _state: tuple[torch.Tensor, torch.Tensor] | None = None
+    _quiet_state: tuple[torch.Tensor, torch.Tensor] | None = None
+    _quiet_gain: LevelGain | None = None
+    _quiet_run: int = 0  # frames the second hearing has called speech, running
     samples: int = 0  # samples pushed
     seconds: float = 0.0  # wall time spent scoring
 
@@ -243,14 +316,45 @@ class SpeechStream:
         started = time.perf_counter()
         with torch.inference_mode():
             x = torch.from_numpy(frames.copy())  # (N, 576), a writable copy of the strided view
+            peaks = np.abs(data.reshape(n, FRAME_SAMPLES)).max(axis=1)
+            scored = x
             if self.level_gain is not None:
-                peaks = np.abs(data.reshape(n, FRAME_SAMPLES)).max(axis=1)
-                x *= torch.from_numpy(self.level_gain.of(peaks))[:, None]
-            probs, self._state = self.detector(x, self._state)
+                scored = x * torch.from_numpy(self.level_gain.of(peaks))[:, None]
+            probs, self._state = self.detector(scored, self._state)
+            if self.quiet is not None:
+                self._hear_quiet(x, peaks, probs)
         self.seconds += time.perf_counter() - started
         out = probs.numpy().astype(np.float32)
         self.probs.append(out)
         return out
+
+    def _hear_quiet(self, x: torch.Tensor, peaks: np.ndarray, probs: torch.Tensor) -> None:
+        """Score the frames inside a quiet section again (see the class doc) and raise
+        `probs` (N,) where that hearing has run speech for `min_run` frames."""
+        inside, opens = self.quiet.of(peaks)
+        if not inside.any():
+            self._quiet_run = 0
+            return
+        again = np.zeros(len(peaks), np.float32)
+        # Spans of frames inside, each cut where a section opens (a section opens only
+        # after the one before has closed, so a span is one section's).
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], inside.astype(np.int8), [0]])))
+        for first, end in zip(edges[::2], edges[1::2], strict=True):
+            if opens[first]:
+                self._quiet_state = None
+                self._quiet_gain = None
+                if self.level_gain is not None:
+                    self._quiet_gain = LevelGain(self.level_gain.target, self.level_gain.max_gain)
+            part = x[first:end]
+            if self._quiet_gain is not None:
+                part = part * torch.from_numpy(self._quiet_gain.of(peaks[first:end]))[:, None]
+            heard, self._quiet_state = self.detector(part, self._quiet_state)
+            again[first:end] = heard.numpy()
+        for i in range(len(peaks)):
+            self._quiet_run = self._quiet_run + 1 if inside[i] and again[i] >= self.threshold else 0
+            if self._quiet_run >= self.min_run:
+                run = slice(max(0, i + 1 - min(self._quiet_run, self.min_run)), i + 1)
+                probs[run] = torch.maximum(probs[run], torch.from_numpy(again[run]))
 
     def map(self) -> np.ndarray:
         """(frames,) float32 speech probability of every frame scored so far."""

@@ -40,7 +40,31 @@ import numpy as np
 from whisper_cli.audio import SAMPLE_RATE
 from whisper_cli.features import CHUNK_SECONDS
 from whisper_cli.options import Policy
-from whisper_cli.speech import FRAME_SAMPLES, FRAME_SECONDS, LevelGain, SileroVAD, SpeechStream
+from whisper_cli.speech import (
+    FRAME_SAMPLES,
+    FRAME_SECONDS,
+    LevelGain,
+    QuietSection,
+    SileroVAD,
+    SpeechStream,
+)
+
+
+def speech_stream(detector: SileroVAD, policy: Policy) -> SpeechStream:
+    """A fresh speech map of one input, scored as the policy says (its gain, its quiet
+    sections heard again)."""
+    quiet = None
+    if policy.quiet_drop_db is not None:
+        quiet = QuietSection.from_db(
+            policy.quiet_drop_db, policy.quiet_hold_seconds, policy.quiet_room_db
+        )
+    return SpeechStream(
+        detector,
+        level_gain(policy),
+        quiet,
+        threshold=policy.vad_threshold,
+        min_run=max(1, round(policy.min_speech_seconds / FRAME_SECONDS)),
+    )
 
 
 def level_gain(policy: Policy) -> LevelGain | None:
@@ -117,7 +141,7 @@ class WindowCutter:
         self.starving = False  # reading the latest block waited for the input
         self.vad = vad
         self.source = source
-        self.stream = SpeechStream(detector, level_gain(policy))
+        self.stream = speech_stream(detector, policy)
         frames = lambda s: max(0, round(s / FRAME_SECONDS))  # noqa: E731
         self.max_frames = int(max_seconds / FRAME_SECONDS)  # 937 frames: 29.98 s
         # ... and the input's last, partial frame may take a window to the full 30 s: an
