@@ -14,8 +14,8 @@ It prints, per question:
           with the detector's gain and without it, and the non-speech at its level and
           30 and 50 dB down (-> detector_target_dbfs, detector_max_gain_db); then speech
           at -20 to -50 dBFS after 6 s of something loud (a chord, music, noise, a loud
-          talker), and non-speech after a loud talker (no policy value yet: the
-          detector misses speech far below a loud sound just before it)
+          talker), and non-speech after a loud talker (-> quiet_drop_db,
+          quiet_hold_seconds, quiet_room_db)
   short   the peak speech probability of stretches shorter than min_speech_seconds, for
           short words and for non-speech (-> short_speech_threshold)
   text    for every segment decoded with the map on: the speech under it (per margin),
@@ -61,7 +61,7 @@ from whisper_cli.dtypes import resolve_policy  # noqa: E402
 from whisper_cli.loading import load_model  # noqa: E402
 from whisper_cli.options import Policy, TranscribeOptions  # noqa: E402
 from whisper_cli.speech import FRAME_SAMPLES, FRAME_SECONDS, SpeechStream, load_detector  # noqa: E402
-from whisper_cli.windows import level_gain  # noqa: E402
+from whisper_cli.windows import speech_stream  # noqa: E402
 
 RATE = SAMPLE_RATE
 DEMO = REPO / ".cache" / "demo"
@@ -290,7 +290,7 @@ def runs(probs: np.ndarray, policy: Policy) -> list[tuple[int, int]]:
 
 def speech_map(audio: np.ndarray, detector) -> np.ndarray:
     """The map the product makes (the default policy's gain)."""
-    stream = SpeechStream(detector, level_gain(Policy()))
+    stream = speech_stream(detector, Policy())
     stream.push(audio)
     stream.finish()
     return stream.map()
@@ -352,7 +352,8 @@ def level_evidence(items: list[dict], detector, policy: Policy) -> None:
         return (np.round(y * 32767) / 32767).astype(np.float32)
 
     def probs_of(audio: np.ndarray, gain: bool) -> np.ndarray:
-        stream = SpeechStream(detector, level_gain(policy) if gain else None)
+        """gain: the product's map (its gain and quiet sections); else the detector alone."""
+        stream = speech_stream(detector, policy) if gain else SpeechStream(detector)
         stream.push(audio)
         stream.finish()
         return stream.map()
@@ -417,9 +418,7 @@ def level_evidence(items: list[dict], detector, policy: Policy) -> None:
 
     # Speech after something loud: the gain keeps the loudest level held, and Silero's
     # state remembers a loud level for seconds, so speech far below a loud sound just
-    # before it is missed (jfk.flac 19 dB under a chord that ends 1 s before it: none of
-    # its speech found; at the chord's level, or with the state reset after the chord,
-    # all of it).
+    # before it is missed unless its quiet section is heard again (speech.QuietSection).
     loud_talker = next(i["audio"] for i in items if i["name"] == "en paragraph speed 160 snr None")
     rate6 = 6 * RATE
     leads = {
