@@ -88,10 +88,11 @@ class Policy:
     # level found again): after 1 s of silence, speech at -35 dBFS 0.96-0.97 (without:
     # 0.79-0.92) and at -50 0.95-0.96 (0.04-0.41), its first speech found at most 3.4 s
     # late (31 s); straight on over a -60 dBFS floor, at -35 0.93-0.97 (0.03-0.36; at -50,
-    # under the floor's peaks, none either way). The level rows, the 419 onsets and every
-    # non-speech row the same as without it, and no stretch of speech in non-speech after
-    # a loud talker. 15 dB gave the same; 25 dB lost speech at -20 straight after a chord
-    # or music (0.88-0.89, from 0.96-0.97); a hold of 0.5 s about the same as 1 s.
+    # under the floor's peaks, none but 0.40 after the talker). The level rows, the 419
+    # onsets and every non-speech row the same as without it, and no stretch of speech in
+    # non-speech after a loud talker. 15 dB gave the same; 25 dB lost speech at -20
+    # straight after a chord or music (0.88-0.89, from 0.96-0.97); a hold of 0.5 s about
+    # the same as 1 s.
     quiet_drop_db: float | None = 20.0
     quiet_hold_seconds: float = 1.0
     quiet_room_db: float = 10.0
