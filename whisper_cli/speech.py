@@ -244,8 +244,9 @@ class QuietSection:
                 self._quiet, self._open = 0, False
             else:
                 self._quiet += 1
-                sound = now > 0 and now >= min(self._room) * self.above_room
-                if not self._open and self._quiet >= self.hold_frames and sound:
+                waited = not self._open and self._quiet >= self.hold_frames and now > 0
+                # A sound, not the room (whose least peak is looked up only then).
+                if waited and now >= min(self._room) * self.above_room:
                     self._open = opens[i] = True
             inside[i] = self._open
         return inside, opens
