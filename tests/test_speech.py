@@ -128,6 +128,17 @@ def test_the_detectors_gain_lifts_only_what_has_been_quiet() -> None:
     np.testing.assert_allclose(deep, most, rtol=1e-6)  # capped: -90 brought to -40 only
 
 
+def map_in_blocks(stream: SpeechStream, audio: np.ndarray, blocks: int | None) -> np.ndarray:
+    """The stream's map of `audio` pushed whole (None) or in random blocks under `blocks`."""
+    rng, i = np.random.default_rng(0), 0
+    while i < len(audio):
+        n = len(audio) if blocks is None else int(rng.integers(1, blocks))
+        stream.push(audio[i : i + n])
+        i += n
+    stream.finish()
+    return stream.map()
+
+
 def test_a_quiet_inputs_map_is_its_loud_copys_whatever_the_blocks() -> None:
     """With the policy's gain, jfk.flac 40 dB down maps nearly as it does at its own level
     (the frames called speech by 0.5: nine in ten of its own found, few more added; the
@@ -140,13 +151,7 @@ def test_a_quiet_inputs_map_is_its_loud_copys_whatever_the_blocks() -> None:
 
     def mapped(audio: np.ndarray, gain: bool, blocks: int | None = None) -> np.ndarray:
         stream = SpeechStream(detector, level_gain(policy) if gain else None)
-        rng, i = np.random.default_rng(0), 0
-        while i < len(audio):
-            n = len(audio) if blocks is None else int(rng.integers(1, blocks))
-            stream.push(audio[i : i + n])
-            i += n
-        stream.finish()
-        return stream.map()
+        return map_in_blocks(stream, audio, blocks)
 
     own, lifted = mapped(jfk, True) >= 0.5, mapped(quiet, True) >= 0.5
     assert (own & lifted).sum() >= 0.9 * own.sum(), (own.sum(), lifted.sum())
@@ -198,13 +203,7 @@ def test_quiet_speech_after_a_loud_chord_is_mapped_as_alone_whatever_the_blocks(
         stream = speech_stream(detector, policy)
         if not again:
             stream.quiet = None
-        rng, i = np.random.default_rng(0), 0
-        while i < len(audio):
-            n = len(audio) if blocks is None else int(rng.integers(1, blocks))
-            stream.push(audio[i : i + n])
-            i += n
-        stream.finish()
-        return stream.map()
+        return map_in_blocks(stream, audio, blocks)
 
     alone = mapped(quiet) >= 0.5
     found = mapped(after)[-len(alone) :] >= 0.5
