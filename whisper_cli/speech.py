@@ -161,6 +161,22 @@ def load_detector(path: Path | None = None) -> SileroVAD:
 
 
 @dataclass
+class HeldLevel:
+    """The level an input holds: `now`, the least peak of its last SUSTAIN_FRAMES frames
+    (0 until it has that many), and `loudest`, the highest `now` so far. A click (one
+    loud frame) is not held; a syllable is."""
+
+    now: float = 0.0
+    loudest: float = 0.0
+    _recent: deque[float] = field(default_factory=lambda: deque(maxlen=SUSTAIN_FRAMES))
+
+    def push(self, peak: float) -> None:
+        self._recent.append(peak)
+        self.now = min(self._recent) if len(self._recent) == SUSTAIN_FRAMES else 0.0
+        self.loudest = max(self.loudest, self.now)
+
+
+@dataclass
 class LevelGain:
     """The gain a frame is scored at, from it and the frames before it (causal, so the
     map is the same whatever blocks the audio arrives in, and waits for nothing):
@@ -176,8 +192,7 @@ class LevelGain:
 
     target: float
     max_gain: float
-    _held: float = 0.0  # the loudest sustained peak so far
-    _recent: list[float] = field(default_factory=list)  # the last frames' peaks
+    _level: HeldLevel = field(default_factory=lambda: HeldLevel())
 
     @classmethod
     def from_dbfs(cls, target_dbfs: float, max_gain_db: float) -> LevelGain:
@@ -187,10 +202,8 @@ class LevelGain:
         """(N,) float32 gains of the next N frames, given their peaks; advances the state."""
         gains = np.empty(len(peaks), np.float32)
         for i, peak in enumerate(peaks.tolist()):
-            self._recent = [*self._recent[-(SUSTAIN_FRAMES - 1) :], peak]
-            if len(self._recent) == SUSTAIN_FRAMES:
-                self._held = max(self._held, min(self._recent))
-            level = max(self._held, peak)
+            self._level.push(peak)
+            level = max(self._level.loudest, peak)
             gains[i] = min(self.max_gain, max(1.0, self.target / level)) if level else self.max_gain
         return gains
 
@@ -216,10 +229,9 @@ class QuietSection:
     drop: float  # a factor > 1
     hold_frames: int
     above_room: float  # a factor >= 1
-    _loudest: float = 0.0  # the loudest sustained peak so far
-    _quiet: int = 0  # frames since the input was last within `drop` of it
+    _level: HeldLevel = field(default_factory=lambda: HeldLevel())
+    _quiet: int = 0  # frames since the input was last within `drop` of its loudest
     _open: bool = False
-    _recent: deque[float] = field(default_factory=lambda: deque(maxlen=SUSTAIN_FRAMES))
     _room: deque[float] = field(default_factory=lambda: deque(maxlen=ROOM_FRAMES))
 
     @classmethod
@@ -236,11 +248,10 @@ class QuietSection:
         inside = np.zeros(len(peaks), bool)
         opens = np.zeros(len(peaks), bool)
         for i, peak in enumerate(peaks.tolist()):
-            self._recent.append(peak)
+            self._level.push(peak)
             self._room.append(peak)
-            now = min(self._recent) if len(self._recent) == SUSTAIN_FRAMES else 0.0
-            self._loudest = max(self._loudest, now)
-            if now * self.drop > self._loudest:
+            now = self._level.now
+            if now * self.drop > self._level.loudest:
                 self._quiet, self._open = 0, False
             else:
                 self._quiet += 1
