@@ -365,8 +365,11 @@ class SpeechStream:
         for i in range(len(peaks)):
             self._quiet_run = self._quiet_run + 1 if inside[i] and again[i] >= self.threshold else 0
             if self._quiet_run >= self.min_run:
-                run = slice(max(0, i + 1 - min(self._quiet_run, self.min_run)), i + 1)
-                probs[run] = torch.maximum(probs[run], torch.from_numpy(again[run]))
+                # The run's frames in this block when it reaches min_run, then each one.
+                first = max(0, i + 1 - self.min_run) if self._quiet_run == self.min_run else i
+                probs[first : i + 1] = torch.maximum(
+                    probs[first : i + 1], torch.from_numpy(again[first : i + 1])
+                )
 
     def map(self) -> np.ndarray:
         """(frames,) float32 speech probability of every frame scored so far."""
