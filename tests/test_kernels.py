@@ -1799,7 +1799,7 @@ VECTOR_BUILDS = [(), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")]
 
 @pytest.fixture(scope="module")
 def vector_builds(tmp_path_factory):
-    """The library built for each vector path of csrc/int8.c's int8 product (AVX-512
+    """The library built for each vector path of csrc/matmul.c's int8 product (AVX-512
     where this CPU has it, AVX2, plain C), once for the module."""
     native_built()
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -1812,12 +1812,12 @@ def vector_builds(tmp_path_factory):
 def test_the_widened_int8_product_is_the_same_on_every_vector_path(
     dtype, vector_builds, monkeypatch
 ):
-    """csrc/int8.c's int8_matmul_* takes AVX-512, AVX2 or plain C by what it is built for:
+    """csrc/matmul.c's int8_matmul_* takes AVX-512, AVX2 or plain C by what it is built for:
     each gives the same bytes (the same multiply-adds in the same order), as close to the
     float64 product as the float32 sums (f32) or the one rounding to the dtype (bf16)
     allow; on rows with a stride of their own, into an output with one (its columns past
     N untouched), N not a multiple of the packing's columns, with a bias and without, and
-    1 to 17 rows (every count a tile of 16 or 4 rows can leave)."""
+    1 to 17 rows (every count a tile of 16 or 6 rows can leave)."""
     weight, scale, bias = int8_layer(n=83, k=37, seed=21)
     bias = bias.to(dtype)
     prepared = kernels.int8_form("widened", weight, scale)

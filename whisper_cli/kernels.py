@@ -36,8 +36,9 @@ Invariants:
   near-equals keep the reference.
 * Off the CPU, and while torch.compile traces (one graph, no choice on the Python side),
   the reference runs.
-* One implementation is C compiled on the machine ("fused", native.py): offered only
-  where it builds, so a machine without a C compiler runs the others. The int8 kernels'
+* Some implementations are C compiled on the machine (native.py: "fused" and "tiled"
+  attention, "widened" int8 linear layers): offered only where it builds, so a machine
+  without a C compiler runs the others. The int8 kernels'
   row passes (quantize, rescale) are C from the same library where it builds, torch's
   elementwise calls where not: the same bytes either way.
 
@@ -562,6 +563,48 @@ def _linear_f32_packed(x, weight, bias, packed: Tensor | None = None):
     return _linear_packed(x.float(), weight, b, packed).to(x.dtype)
 
 
+def _by_columns(weight: Tensor, lib) -> Tensor:
+    """A (N, K) weight as csrc/matmul.c's products read it: packed by the library's
+    matmul_columns() C output columns, zero past N, (ceil(N / C), K, C)."""
+    n, k = weight.shape
+    columns = getattr(lib, native.MATMUL_COLUMNS)()
+    padded = weight.new_zeros((-(-n // columns) * columns, k))
+    padded[:n] = weight
+    return padded.view(-1, columns, k).transpose(1, 2).contiguous()
+
+
+def _columns_take(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether csrc/matmul.c's loops read x and the bias as they are: CPU tensors in one of
+    its dtypes, of the weight's sizes."""
+    n, k = weight.shape
+    takes = _native_rows(x) and x.device.type == "cpu" and x.shape[-1] == k
+    return takes and (bias is None or (bias.dtype == x.dtype and bias.shape == (n,)))
+
+
+def _columns_product(lib, product: str, x, packed, n, scale, bias, out=None) -> Tensor:
+    """csrc/matmul.c's `product` (a native.*_MATMUL) of x's rows and the weight `packed` by
+    _by_columns, with its scales (None: 1) and bias, in x's dtype: into `out` ((M, N))
+    where given, else a new (..., N) tensor."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    # The C loop writes x's dtype into (m, n) rows of a stride of their own.
+    direct = out is not None and out.shape == (m, n) and out.dtype == x.dtype
+    direct = direct and out.stride(-1) == 1
+    result = out if direct else x.new_empty((m, n))
+    b = None if bias is None else bias.contiguous()
+    getattr(lib, f"{product}_{dtype_name(x.dtype)}")(
+        rows.data_ptr(), m, k, rows.stride(0), packed.data_ptr(), n,
+        None if scale is None else scale.data_ptr(), None if b is None else b.data_ptr(),
+        result.data_ptr(), result.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    if direct:
+        return out
+    return _into(result.view(*x.shape[:-1], n), out)
+
+
 LINEAR: dict[str, Callable] = {
     "linear": F.linear,  # the reference
     "f32-upcast": _linear_f32,
@@ -717,7 +760,7 @@ def _rescale(
 
 
 def _native_rows(x: Tensor) -> bool:
-    """Whether csrc/int8.c has its passes for x's dtype."""
+    """Whether csrc/int8.c and matmul.c have their passes for x's dtype."""
     return x.dtype in _INT8_NATIVE_DTYPES
 
 
@@ -819,21 +862,17 @@ def _int8_weight_only(x, weight, scale, bias, prepared, out=None):
 
 
 def _widened_prepare(weight: Tensor, scale: Tensor):
-    """csrc/int8.c's form for int8_matmul_*: the weight packed by the library's columns
-    (int8_matmul_columns), zero past N, (ceil(N / columns), K, columns); the scales in
-    float32. None where the library is not built (the kernel then runs the reference)."""
+    """csrc/matmul.c's form for int8_matmul_*: the weight packed by columns (_by_columns);
+    the scales in float32. None where the library is not built (the kernel then runs the
+    reference)."""
     lib = _native()
     if lib is None:
         return None
-    n, k = weight.shape
-    columns = getattr(lib, native.INT8_MATMUL_COLUMNS)()
-    padded = weight.new_zeros((-(-n // columns) * columns, k))
-    padded[:n] = weight
-    return padded.view(-1, columns, k).transpose(1, 2).contiguous(), scale.float().contiguous()
+    return _by_columns(weight, lib), scale.float().contiguous()
 
 
 def _int8_widened(x, weight, scale, bias, prepared, out=None):
-    """Rows times the int8 weight widened to float32 as it is read (csrc/int8.c,
+    """Rows times the int8 weight widened to float32 as it is read (csrc/matmul.c,
     int8_matmul_*): each output one float32 sum of fused multiply-adds, then its scale
     and bias, rounded once to x's dtype; nothing quantized or rounded to bfloat16 on the
     way, so as close to the reference ("dequant") as float32 sums in another order.
@@ -843,29 +882,11 @@ def _int8_widened(x, weight, scale, bias, prepared, out=None):
     Where the library is not built, or x or the bias is not as the C loop reads it (a
     CPU tensor, in x's dtype, of the weight's sizes), the reference."""
     lib = _native()
-    n, k = weight.shape
-    takes = _native_rows(x) and x.device.type == "cpu" and x.shape[-1] == k
-    takes &= bias is None or (bias.dtype == x.dtype and bias.shape == (n,))
-    if lib is None or prepared is None or not takes:
+    n = weight.shape[0]
+    if lib is None or prepared is None or not _columns_take(x, weight, bias):
         return _int8_dequant(x, weight, scale, bias, out=out)
     packed, scales = prepared
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    m = rows.shape[0]
-    # The C loop writes x's dtype into (m, n) rows of a stride of their own.
-    direct = out is not None and out.shape == (m, n) and out.dtype == x.dtype
-    direct = direct and out.stride(-1) == 1
-    result = out if direct else x.new_empty((m, n))
-    b = None if bias is None else bias.contiguous()
-    getattr(lib, f"{native.INT8_MATMUL}_{dtype_name(x.dtype)}")(
-        rows.data_ptr(), m, k, rows.stride(0), packed.data_ptr(), n, scales.data_ptr(),
-        None if b is None else b.data_ptr(), result.data_ptr(), result.stride(0),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if direct:
-        return out
-    return _into(result.view(*x.shape[:-1], n), out)
+    return _columns_product(lib, native.INT8_MATMUL, x, packed, n, scales, bias, out)
 
 
 INT8_LINEAR: dict[str, Callable] = {

@@ -43,9 +43,10 @@ SOURCES = {
     # (libmvec); attention.c says why that is exact enough.
     CSRC / "attention.c": (*_COMMON_FLAGS, "-ffast-math"),
     # Every operation rounded as written (no reciprocal, no fused multiply-add but those
-    # written): the row passes give the bytes of torch's elementwise chain they replace,
-    # and the int8 product the same bytes on each of its vector paths (int8.c).
+    # written): the row passes give the bytes of torch's elementwise chain they replace
+    # (int8.c), the products the same bytes on each of their vector paths (matmul.c).
     CSRC / "int8.c": (*_COMMON_FLAGS, "-ffp-contract=off"),
+    CSRC / "matmul.c": (*_COMMON_FLAGS, "-ffp-contract=off"),
 }
 HEADERS = (CSRC / "floats.h",)  # included by the sources: part of the library's digest
 LINK_FLAGS = ("-shared", "-fopenmp")
@@ -64,11 +65,11 @@ INT8_ROW_PASSES = ("unit_rows", "quantize_rows")  # x, M, K, x's row stride, y, 
 INT8_GRID_PASS = "quantize_rows"  # takes its grid's steps and zero (floats) before threads
 INT8_RESCALE = "rescale_rows"  # acc, M, N, amax, bias or NULL, out, out's row stride, threads
 INT8_DTYPES = ("f32", "bf16")
-# csrc/int8.c's product of rows and an int8 weight packed by INT8_MATMUL_COLUMNS() output
+# csrc/matmul.c's product of rows and an int8 weight packed by MATMUL_COLUMNS() output
 # columns, as <it>_<dtype> for each of INT8_DTYPES (x's, the bias's and out's): x, M, K,
 # x's row stride, packed, N, scale (float32), bias or NULL, out, out's row stride, threads.
 INT8_MATMUL = "int8_matmul"
-INT8_MATMUL_COLUMNS = "int8_matmul_columns"
+MATMUL_COLUMNS = "matmul_columns"
 MAX_KEYS = 4096
 # csrc/attention.c's encoder attention: dtype -> the function (q, k, v, out, B, H, T, S,
 # D, their (batch, head, row) strides, scale, threads -> 0, or -1 where its buffers could
@@ -202,7 +203,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.argtypes = [pointers, sizes, sizes, sizes, pointers, sizes, pointers, pointers]
         fn.argtypes += [pointers, sizes, ctypes.c_int]
         fn.restype = None
-    fn = getattr(lib, INT8_MATMUL_COLUMNS)
+    fn = getattr(lib, MATMUL_COLUMNS)
     fn.argtypes, fn.restype = [], sizes
     return lib
 
