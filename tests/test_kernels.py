@@ -696,11 +696,12 @@ def plan_of(calls, dtype, **kwargs) -> kernels.KernelPlan:
     return kernels.build_plan(calls, dtype, **kwargs)
 
 
-def test_f32_conv_is_never_timed_and_f32_linear_only_beside_packed(tmp_path, monkeypatch):
+def test_f32_conv_is_never_timed_and_f32_linear_only_beside_another(tmp_path, monkeypatch):
     """f32 has the reference alone for a convolution, and for a linear layer where oneDNN
-    packs nothing: chosen without a timing, nothing saved."""
+    packs nothing and the C library does not build: chosen without a timing, nothing saved."""
     monkeypatch.setattr(kernels, "time_candidates", no_timing)
     monkeypatch.setitem(kernels._PACKABLE, torch.float32, False)
+    monkeypatch.setattr(kernels, "_native_offered", lambda: False)
     x, weight = torch.randn(4, 1, 32), torch.randn(48, 32)
     mel, conv = torch.randn(1, 8, 40), torch.randn(16, 8, 3)
     calls = [
@@ -732,11 +733,15 @@ def test_linear_and_conv_choices_are_timed_and_saved(tmp_path):
     timed = {n for e in saved.values() for n in e["ms"]}
     linear = kernels.upcast_candidates("linear", torch.bfloat16)
     assert timed == {"conv", *linear} and "f32-upcast" in linear
-    if kernels.packable(torch.float32):  # f32 linear layers: the reference and packed
+    # f32 linear layers: the reference, packed where oneDNN packs f32, columns where the
+    # C library builds
+    others = {"packed"} if kernels.packable(torch.float32) else set()
+    others |= {"columns"} if kernels._native_offered() else set()
+    if others:
         plan = plan_of([call("linear", 48, 32, "tokens", weight=weight.float())], torch.float32)
         key = "linear/f32/N48xK32/tokens"
         assert plan.timed == {key}
-        assert set(plan.ms[key]) == {"linear", "packed"}
+        assert set(plan.ms[key]) == {"linear", *others}
 
 
 def test_a_plan_times_once_and_writes_the_cache(tmp_path, monkeypatch):
@@ -1799,8 +1804,8 @@ VECTOR_BUILDS = [(), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")]
 
 @pytest.fixture(scope="module")
 def vector_builds(tmp_path_factory):
-    """The library built for each vector path of csrc/matmul.c's int8 product (AVX-512
-    where this CPU has it, AVX2, plain C), once for the module."""
+    """The library built for each vector path of csrc/matmul.c's products (AVX-512 where
+    this CPU has it, AVX2, plain C), once for the module."""
     native_built()
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the vector paths are x86's")
@@ -1808,45 +1813,70 @@ def vector_builds(tmp_path_factory):
     return [_native_library(where, extra) for extra in VECTOR_BUILDS]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_widened_int8_product_is_the_same_on_every_vector_path(
-    dtype, vector_builds, monkeypatch
-):
-    """csrc/matmul.c's int8_matmul_* takes AVX-512, AVX2 or plain C by what it is built for:
-    each gives the same bytes (the same multiply-adds in the same order), as close to the
-    float64 product as the float32 sums (f32) or the one rounding to the dtype (bf16)
-    allow; on rows with a stride of their own, into an output with one (its columns past
-    N untouched), N not a multiple of the packing's columns, with a bias and without, and
-    1 to 17 rows (every count a tile of 16 or 6 rows can leave)."""
-    weight, scale, bias = int8_layer(n=83, k=37, seed=21)
-    bias = bias.to(dtype)
+def _int8_product(dtype):
+    """csrc/matmul.c's int8 product as "widened" calls it, its product's name, and the
+    float64 weight it stands for."""
+    weight, scale, _ = int8_layer(n=83, k=37, seed=21)
     prepared = kernels.int8_form("widened", weight, scale)
+
+    def run(x, bias, out):
+        kernels.INT8_LINEAR["widened"](x, weight, scale, bias, prepared, out)
+
+    return run, native.INT8_MATMUL, weight.double() * scale.double()[:, None]
+
+
+def _float_product(dtype):
+    """csrc/matmul.c's float product as "columns" calls it (its packing of a weight in
+    `dtype`), its product's name, and the weight in float64."""
+    g = torch.Generator().manual_seed(23)
+    weight = (torch.randn(83, 37, generator=g) * 0.1).to(dtype)
+    packed = kernels._by_columns(weight.float(), kernels._native())
+
+    def run(x, bias, out):
+        out.copy_(kernels.LINEAR["columns"](x, weight, bias, packed))
+
+    return run, native.FLOAT_MATMUL, weight.double()
+
+
+@pytest.mark.parametrize("product", [_int8_product, _float_product], ids=["int8", "float"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_each_columns_product_is_the_same_on_every_vector_path(
+    product, dtype, vector_builds, monkeypatch
+):
+    """csrc/matmul.c's products (int8_matmul_*, float_matmul_*) take AVX-512, AVX2 or
+    plain C by what they are built for: each gives the same bytes (the same multiply-adds
+    in the same order), as close to the float64 product as the float32 sums (f32) or the
+    one rounding to the dtype (bf16) allow; on rows with a stride of their own, into an
+    output with one (its columns past N untouched, int8), N not a multiple of the
+    packing's columns, with a bias and without, and 1 to 17 rows (every count a tile of
+    16 or 6 rows can leave)."""
+    run, name, w = product(dtype)
+    bias = (torch.randn(83, generator=torch.Generator().manual_seed(24)) * 0.1).to(dtype)
     g = torch.Generator().manual_seed(22)
     wide = torch.randn(17, 40, generator=g) * torch.logspace(-2, 1, 17)[:, None]
     x = wide.to(dtype)[:, :37]  # rows 40 apart
     assert x.stride() == (40, 1)
-    w = weight.double() * scale.double()[:, None]
     results = []
     for extra, lib in zip(VECTOR_BUILDS, vector_builds, strict=True):
         called = []
 
-        class Spy:  # the build, noting the calls of its product
-            def __getattr__(self, name, lib=lib, called=called):
-                called.append(name)
-                return getattr(lib, name)
+        class Spy:  # the build, noting the calls of its products
+            def __getattr__(self, attr, lib=lib, called=called):
+                called.append(attr)
+                return getattr(lib, attr)
 
         monkeypatch.setattr(kernels, "_native", Spy)
         outs = []
         for m in range(1, 18):
             for b in (bias, None):
                 out = torch.full((m, 90), 7.0, dtype=dtype)
-                kernels.INT8_LINEAR["widened"](x[:m], weight, scale, b, prepared, out[:, :83])
+                run(x[:m], b, out[:, :83])
                 assert (out[:, 83:] == 7.0).all(), (extra, m)
                 outs.append(out[:, :83])
                 want = F.linear(x[:m].double(), w, None if b is None else b.double())
                 err = ((out[:, :83].double() - want).norm(dim=-1) / want.norm(dim=-1)).max()
                 assert err <= (1e-6 if dtype == torch.float32 else 4e-3), (extra, m, err)
-        assert called == [f"{native.INT8_MATMUL}_{dtype_name(dtype)}"] * 34, extra
+        assert called == [f"{name}_{dtype_name(dtype)}"] * 34, extra
         results.append(outs)
     for extra, outs in zip(VECTOR_BUILDS[1:], results[1:], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(results[0], outs, strict=True)), extra

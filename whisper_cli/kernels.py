@@ -37,8 +37,8 @@ Invariants:
 * Off the CPU, and while torch.compile traces (one graph, no choice on the Python side),
   the reference runs.
 * Some implementations are C compiled on the machine (native.py: "fused" and "tiled"
-  attention, "widened" int8 linear layers): offered only where it builds, so a machine
-  without a C compiler runs the others. The int8 kernels'
+  attention, "columns" linear layers and projection, "widened" int8 ones): offered only
+  where it builds, so a machine without a C compiler runs the others. The int8 kernels'
   row passes (quantize, rescale) are C from the same library where it builds, torch's
   elementwise calls where not: the same bytes either way.
 
@@ -514,6 +514,7 @@ LOGITS: dict[str, Logits] = {
     "f32-blocks": _logits_f32_blocks,
     "packed": _logits_packed,
     "f32-packed": _logits_f32_packed,
+    "columns": lambda hidden, weight, packed=None: _linear_columns(hidden, weight, None, packed),
 }
 
 
@@ -605,11 +606,38 @@ def _columns_product(lib, product: str, x, packed, n, scale, bias, out=None) -> 
     return _into(result.view(*x.shape[:-1], n), out)
 
 
+def _columns_form(weight: Tensor) -> Tensor | None:
+    """The float32 weight (a half one's exact values) packed by columns for
+    _linear_columns; None where the library is not built."""
+    lib = _native()
+    return None if lib is None else _by_columns(weight.float(), lib)
+
+
+def _linear_columns(x, weight, bias, packed: Tensor | None = None):
+    """x W^T + b by csrc/matmul.c's float_matmul_*: a few rows against a float32 copy of
+    the weight packed by columns once and kept with it (a bf16 weight's exact values),
+    each output one float32 sum of fused multiply-adds in order, the bias added and the
+    result rounded once to x's dtype; the same bytes for a row whatever rows share the
+    call. The weight streams once a call, the next panel prefetched (matmul.c): at a
+    decode step's rows it beats oneDNN's packed GEMM, whose later tiles of rows leave the
+    memory idle (tiny's vocabulary projection at 16 rows 1.5x as fast on a Xeon held to
+    AVX2, 1.3x with AVX-512). Costs a float32 copy of each weight it runs. Where the
+    library is not built, or x or the bias is not as the C loop reads it, the reference.
+    `packed`: as in _linear_packed."""
+    lib = _native()
+    if lib is None or not _columns_take(x, weight, bias) or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    if packed is None:
+        packed = _derived(weight, "columns", lambda: _columns_form(weight))
+    return _columns_product(lib, native.FLOAT_MATMUL, x, packed, weight.shape[0], None, bias)
+
+
 LINEAR: dict[str, Callable] = {
     "linear": F.linear,  # the reference
     "f32-upcast": _linear_f32,
     "packed": _linear_packed,
     "f32-packed": _linear_f32_packed,
+    "columns": _linear_columns,
 }
 
 
@@ -630,8 +658,9 @@ CONV1D: dict[str, Callable] = {
 def upcast_candidates(kind: str, dtype: torch.dtype) -> tuple[str, ...]:
     """Implementations timed for a linear layer or convolution: the reference; the f32
     upcast for f16/bf16; for a linear layer, "packed" where oneDNN packs this dtype on
-    this CPU and "f32-packed" for f16/bf16 where it packs float32. A convolution in f32
-    has the reference alone (nothing to time)."""
+    this CPU, "f32-packed" for f16/bf16 where it packs float32, and "columns" for f32 and
+    bf16 where the C library builds. A convolution in f32 has the reference alone (nothing
+    to time)."""
     if kind == "conv1d":
         return tuple(CONV1D)[: 1 if dtype == torch.float32 else None]
     half = dtype != torch.float32
@@ -639,14 +668,22 @@ def upcast_candidates(kind: str, dtype: torch.dtype) -> tuple[str, ...]:
         "f32-upcast": half,
         "packed": packable(dtype),
         "f32-packed": half and packable(torch.float32),
+        "columns": _columns_offered(dtype),
     }
     return tuple(n for n in LINEAR if offered.get(n, True))
 
 
+def _columns_offered(dtype: torch.dtype) -> bool:
+    """Whether "columns" (csrc/matmul.c) is timed for `dtype`: one of its dtypes, where
+    the library builds."""
+    return dtype in _INT8_NATIVE_DTYPES and _native_offered()
+
+
 def logits_candidates(dtype: torch.dtype) -> tuple[str, ...]:
     """Implementations timed for the projection: all of them, "packed" where oneDNN
-    packs this dtype on this CPU, "f32-packed" for f16/bf16 where it packs float32."""
-    offered = {"packed": packable(dtype)}
+    packs this dtype on this CPU, "f32-packed" for f16/bf16 where it packs float32,
+    "columns" for f32 and bf16 where the C library builds."""
+    offered = {"packed": packable(dtype), "columns": _columns_offered(dtype)}
     offered["f32-packed"] = dtype != torch.float32 and packable(torch.float32)
     return tuple(n for n in LOGITS if offered.get(n, True))
 
@@ -1310,8 +1347,8 @@ def build_plan(
     has none (or one made among other candidates) and merged into it. Every weight is in
     one class (of its shape and rows), so it holds one copy at most (packed, or float32)
     beside it. Other modes, and a class with one candidate (f32 convolutions; f32 linear
-    layers where oneDNN packs nothing), time nothing. Off the CPU the reference runs
-    everywhere.
+    layers where oneDNN packs nothing and the C library does not build), time nothing.
+    Off the CPU the reference runs everywhere.
     """
     device = torch.device(device)
     mode = kernels_mode() if mode is None else mode
@@ -1677,6 +1714,9 @@ def _logits_fns(cands, weight: Tensor) -> RowFns:
     if "f32-packed" in fns:  # the same
         f32_packed = _reorder_f32(weight)
         fns["f32-packed"] = lambda x: _logits_f32_packed(x, weight, f32_packed)
+    if "columns" in fns:
+        columns = _columns_form(weight)
+        fns["columns"] = lambda x: LOGITS["columns"](x, weight, columns)
     return fns
 
 
@@ -1693,6 +1733,9 @@ def _linear_fns(cands, weight: Tensor) -> RowFns:
     if "f32-packed" in fns:
         f32_packed = _reorder_f32(weight)
         fns["f32-packed"] = lambda x: _linear_f32_packed(x, weight, None, f32_packed)
+    if "columns" in fns:
+        columns = _columns_form(weight)
+        fns["columns"] = lambda x: _linear_columns(x, weight, None, columns)
     return fns
 
 

@@ -65,10 +65,12 @@ INT8_ROW_PASSES = ("unit_rows", "quantize_rows")  # x, M, K, x's row stride, y, 
 INT8_GRID_PASS = "quantize_rows"  # takes its grid's steps and zero (floats) before threads
 INT8_RESCALE = "rescale_rows"  # acc, M, N, amax, bias or NULL, out, out's row stride, threads
 INT8_DTYPES = ("f32", "bf16")
-# csrc/matmul.c's product of rows and an int8 weight packed by MATMUL_COLUMNS() output
-# columns, as <it>_<dtype> for each of INT8_DTYPES (x's, the bias's and out's): x, M, K,
-# x's row stride, packed, N, scale (float32), bias or NULL, out, out's row stride, threads.
+# csrc/matmul.c's products of rows and a weight packed by MATMUL_COLUMNS() output columns,
+# int8 (INT8_MATMUL) or float32 (FLOAT_MATMUL), as <it>_<dtype> for each of INT8_DTYPES
+# (x's, the bias's and out's): x, M, K, x's row stride, packed, N, scale (float32; NULL
+# for the float one), bias or NULL, out, out's row stride, threads.
 INT8_MATMUL = "int8_matmul"
+FLOAT_MATMUL = "float_matmul"
 MATMUL_COLUMNS = "matmul_columns"
 MAX_KEYS = 4096
 # csrc/attention.c's encoder attention: dtype -> the function (q, k, v, out, B, H, T, S,
@@ -199,10 +201,11 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn = getattr(lib, f"{INT8_RESCALE}_{dtype}")
         fn.argtypes = [pointers, sizes, sizes, pointers, pointers, pointers, sizes, ctypes.c_int]
         fn.restype = None
-        fn = getattr(lib, f"{INT8_MATMUL}_{dtype}")
-        fn.argtypes = [pointers, sizes, sizes, sizes, pointers, sizes, pointers, pointers]
-        fn.argtypes += [pointers, sizes, ctypes.c_int]
-        fn.restype = None
+        for product in (INT8_MATMUL, FLOAT_MATMUL):
+            fn = getattr(lib, f"{product}_{dtype}")
+            fn.argtypes = [pointers, sizes, sizes, sizes, pointers, sizes, pointers, pointers]
+            fn.argtypes += [pointers, sizes, ctypes.c_int]
+            fn.restype = None
     fn = getattr(lib, MATMUL_COLUMNS)
     fn.argtypes, fn.restype = [], sizes
     return lib

@@ -1,16 +1,19 @@
 /* The product of a few rows with a weight packed by columns: a decode step's linear
  * layers and vocabulary projection, where a GEMM library's own passes around its product
- * (quantizing, packing, rescaling) cost more than the product.
+ * (packing, dispatch, a matrix-vector path for one row) cost as much as the product.
  *
  * <weight>_matmul_<dtype>: out (M, N) = (x (M, K) . w (N, K)^T) * scale + bias, computed
  * in float32, x, bias and out in float32 or bfloat16 (widened as read, the result rounded
  * once as written); x's rows have stride ldx, out's ldo.
  *   int8_matmul_*: w int8, widened to float32 in registers; scale (N,) float32 per column
  *     (kernels._int8_widened).
+ *   float_matmul_*: w float32, for a bfloat16 run a float32 copy of its weight (exactly its
+ *     values); scale NULL, taken as 1 (kernels._linear_columns).
  * The weight comes packed by C = MATMUL_COLUMNS output columns, zero past N:
  *     packed[(n / C) * K * C + k * C + n % C] = w[n, k].
  * Each output is one float32 sum over k in order, one rounding per term (a fused
- * multiply-add), then its scale and bias in one more: the same operations for a row whatever rows share the call, and on each
+ * multiply-add), then its scale and bias in one more (with scale 1, the bias added with
+ * one rounding): the same operations for a row whatever rows share the call, and on each
  * path (AVX-512: 16 columns a register, 16 rows a tile; AVX2: two registers of 8, 6 rows;
  * else plain C, one row), so every path gives the same bytes (test_kernels builds each).
  * The packing's columns are decided here alone: kernels.py packs by matmul_columns().
@@ -18,9 +21,11 @@
  * While a tile sums one panel of the weight (K x C), the next panel is prefetched: the
  * weight streams from memory once a call, and a call's later tiles of rows, which read the
  * panel again from the first level cache, would leave memory idle. Milliseconds a call,
- * int8, 51864 x 384 (tiny's vocabulary projection) at 16 / 11 / 8 rows, 2 threads, Intel
- * Xeon with AMX held to AVX2: 3.70 / 2.69 / 2.13 without the prefetch -> 3.38 / 2.40 /
- * 1.92. Weights that stay in the caches (384 x 1536) lose at most 5% to it.
+ * float32, 51864 x 384 (tiny's vocabulary projection) at 16 / 11 / 8 rows, 2 threads, Intel
+ * Xeon with AMX: held to AVX2, 5.93 / 3.93 / 3.48 without the prefetch -> 3.41 / 2.40 /
+ * 2.13 (oneDNN's packed GEMM 5.03 / 3.74 / 3.23); with AVX-512, 5.81 / 4.68 / 3.28 ->
+ * 2.36 / 1.68 / 1.59 (oneDNN 3.16 / 2.80 / 2.53); int8 held to AVX2, 3.70 / 2.69 / 2.13
+ * -> 3.38 / 2.40 / 1.92. Weights that stay in the caches (384 x 1536) lose at most 5%.
  *
  * Built by native.py with -ffp-contract=off: no fused multiply-add but those written.
  */
@@ -41,9 +46,12 @@ int64_t matmul_columns(void) { return MATMUL_COLUMNS; }
 
 /* The weight's columns k of a panel as float32: 16 (AVX-512), 8 from j (AVX2), one. */
 #define INT8_W16(wk) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wk))))
+#define FLOAT_W16(wk) _mm512_loadu_ps(wk)
 #define INT8_W8(wk, j)                                                                     \
     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((wk) + (j)))))
+#define FLOAT_W8(wk, j) _mm256_loadu_ps((wk) + (j))
 #define INT8_W1(wk, j) ((float)(wk)[j])
+#define FLOAT_W1(wk, j) ((wk)[j])
 
 #define PREFETCH_NEXT_PANEL(wk) __builtin_prefetch((wk) + K * MATMUL_COLUMNS, 0, 2)
 
@@ -78,8 +86,9 @@ int64_t matmul_columns(void) { return MATMUL_COLUMNS; }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 /* 6 rows: 12 sums in registers, beside the panel's two and a row's value (of 16). Against
- * 4 rows, milliseconds a call (as above, 16 rows, then 11): 51864 x 384 3.68 -> 3.38 and
- * 2.69 -> 2.40; 1536 x 384 0.112 -> 0.099 and 0.080 -> 0.069. */
+ * 4 rows, milliseconds a call (as above, 16 rows, then 11): 51864 x 384 float32 3.97 ->
+ * 3.41 and 3.03 -> 2.40, int8 3.68 -> 3.38 and 2.69 -> 2.40; 1536 x 384 int8 0.112 ->
+ * 0.099 and 0.080 -> 0.069. */
 #define MATMUL_ROWS 6
 #define MATMUL_TILE(MB, W, LOAD, STORE)                                                    \
     {                                                                                      \
@@ -119,6 +128,7 @@ int64_t matmul_columns(void) { return MATMUL_COLUMNS; }
     }
 #endif
 #define INT8_T int8_t
+#define FLOAT_T float
 
 /* The tile for the rows left: a tile's rows are a constant (its sums stay in registers). */
 #if MATMUL_ROWS >= 16
@@ -180,3 +190,5 @@ int64_t matmul_columns(void) { return MATMUL_COLUMNS; }
 
 MATMUL(int8_matmul_f32, INT8, float, as_float, as_float)
 MATMUL(int8_matmul_bf16, INT8, uint16_t, from_bf16, to_bf16)
+MATMUL(float_matmul_f32, FLOAT, float, as_float, as_float)
+MATMUL(float_matmul_bf16, FLOAT, uint16_t, from_bf16, to_bf16)
