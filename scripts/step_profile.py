@@ -44,7 +44,7 @@ from whisper_cli.audio import SAMPLE_RATE, open_audio  # noqa: E402
 from whisper_cli.decoding import DecodeOptions  # noqa: E402
 from whisper_cli.dtypes import DTYPE_NAMES, DtypePolicy  # noqa: E402
 from whisper_cli.engine import Engine, WindowInput  # noqa: E402
-from whisper_cli.kernels import FUSED_RANGE  # noqa: E402
+from whisper_cli.kernels import FUSED_RANGE, MATMUL_RANGE  # noqa: E402
 from whisper_cli.loading import load_model  # noqa: E402
 from whisper_cli.options import TranscribeOptions  # noqa: E402
 
@@ -84,6 +84,8 @@ def group_of(name: str, shapes: list, n_audio: int, vocab: int) -> str:
     """The group of a profiled op, from its name and its inputs' shapes."""
     if name.startswith(FUSED_RANGE):  # the C decode attention: no shapes, its keys named
         return "cross-attention" if name == f"{FUSED_RANGE}{n_audio}" else "self-attention"
+    if name.startswith(MATMUL_RANGE):  # a C product (float or int8): its columns named
+        return "logits" if name == f"{MATMUL_RANGE}{vocab}" else "linear layers"
     op = name.split("::")[-1].strip("_")
     dims = {d for s in shapes if isinstance(s, list) for d in s}
     if op in _ATTENTION or op.startswith("scaled_dot_product"):

@@ -55,3 +55,32 @@ def test_the_c_decode_attention_is_told_by_its_key_count(group_of):
 
     assert group_of(f"{FUSED_RANGE}{N_AUDIO}", []) == "cross-attention"
     assert group_of(f"{FUSED_RANGE}12", []) == "self-attention"
+
+
+def test_the_c_products_are_told_by_their_columns(group_of):
+    from whisper_cli.kernels import MATMUL_RANGE
+
+    assert group_of(f"{MATMUL_RANGE}{VOCAB}", []) == "logits"
+    assert group_of(f"{MATMUL_RANGE}1536", []) == "linear layers"
+
+
+def test_a_c_product_is_a_named_range_under_the_profiler():
+    """torch.profiler sees no ctypes call: the float and int8 products of csrc/matmul.c
+    appear as ranges named by their output columns, or the profile would miss them."""
+    import torch
+
+    from whisper_cli import kernels, native
+    from whisper_cli.dtypes import int8_weight
+    from whisper_cli.kernels import MATMUL_RANGE
+
+    if native.compiler() is None:
+        pytest.skip("no C compiler: the native kernels are not offered")
+    assert kernels._native() is not None, "the native kernels did not build"
+    weight = torch.randn(40, 24)
+    q, scale = int8_weight(torch.randn(56, 24))
+    x = torch.randn(3, 24)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        kernels.LINEAR["columns"](x, weight, None)
+        kernels.INT8_LINEAR["widened"](x, q, scale, None, kernels.int8_form("widened", q, scale))
+    names = {event.name for event in prof.events()}
+    assert {f"{MATMUL_RANGE}40", f"{MATMUL_RANGE}56"} <= names

@@ -341,6 +341,7 @@ def _tiled(q, k, v, mask, causal):
 
 
 FUSED_RANGE = "whisper_cli::fused_attention/S"  # + the call's key count
+MATMUL_RANGE = "whisper_cli::matmul/N"  # + the call's output columns (csrc/matmul.c)
 _NO_RANGE = contextlib.nullcontext()
 
 
@@ -596,11 +597,14 @@ def _columns_product(lib, product: str, x, packed, n, scale, bias, out=None) -> 
     direct = direct and out.stride(-1) == 1
     result = out if direct else x.new_empty((m, n))
     b = None if bias is None else bias.contiguous()
-    getattr(lib, f"{product}_{dtype_name(x.dtype)}")(
-        rows.data_ptr(), m, k, rows.stride(0), packed.data_ptr(), n,
-        None if scale is None else scale.data_ptr(), None if b is None else b.data_ptr(),
-        result.data_ptr(), result.stride(0), torch.get_num_threads(),
-    )  # fmt: skip
+    # Named for torch.profiler, which sees no ctypes call (see _fused).
+    profiled = torch._C._autograd._profiler_enabled()
+    with torch.profiler.record_function(f"{MATMUL_RANGE}{n}") if profiled else _NO_RANGE:
+        getattr(lib, f"{product}_{dtype_name(x.dtype)}")(
+            rows.data_ptr(), m, k, rows.stride(0), packed.data_ptr(), n,
+            None if scale is None else scale.data_ptr(), None if b is None else b.data_ptr(),
+            result.data_ptr(), result.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
     if direct:
         return out
     return _into(result.view(*x.shape[:-1], n), out)
