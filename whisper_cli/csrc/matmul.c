@@ -132,8 +132,7 @@ int64_t matmul_columns(void) { return MATMUL_COLUMNS; }
 
 /* The tile for the rows left: a tile's rows are a constant (its sums stay in registers). */
 #if MATMUL_ROWS >= 16
-#define MATMUL_ROWS_SWITCH(rows, W, LOAD, STORE)                                           \
-    switch (rows) {                                                                        \
+#define WIDE_TILES(W, LOAD, STORE)                                                         \
     case 16: MATMUL_TILE(16, W, LOAD, STORE) break;                                        \
     case 15: MATMUL_TILE(15, W, LOAD, STORE) break;                                        \
     case 14: MATMUL_TILE(14, W, LOAD, STORE) break;                                        \
@@ -143,17 +142,14 @@ int64_t matmul_columns(void) { return MATMUL_COLUMNS; }
     case 10: MATMUL_TILE(10, W, LOAD, STORE) break;                                        \
     case 9: MATMUL_TILE(9, W, LOAD, STORE) break;                                          \
     case 8: MATMUL_TILE(8, W, LOAD, STORE) break;                                          \
-    case 7: MATMUL_TILE(7, W, LOAD, STORE) break;                                          \
-    case 6: MATMUL_TILE(6, W, LOAD, STORE) break;                                          \
-    case 5: MATMUL_TILE(5, W, LOAD, STORE) break;                                          \
-    case 4: MATMUL_TILE(4, W, LOAD, STORE) break;                                          \
-    case 3: MATMUL_TILE(3, W, LOAD, STORE) break;                                          \
-    case 2: MATMUL_TILE(2, W, LOAD, STORE) break;                                          \
-    default: MATMUL_TILE(1, W, LOAD, STORE) break;                                         \
-    }
-#elif MATMUL_ROWS >= 6
+    case 7: MATMUL_TILE(7, W, LOAD, STORE) break;
+#else
+#define WIDE_TILES(W, LOAD, STORE)
+#endif
+#if MATMUL_ROWS >= 6
 #define MATMUL_ROWS_SWITCH(rows, W, LOAD, STORE)                                           \
     switch (rows) {                                                                        \
+    WIDE_TILES(W, LOAD, STORE)                                                             \
     case 6: MATMUL_TILE(6, W, LOAD, STORE) break;                                          \
     case 5: MATMUL_TILE(5, W, LOAD, STORE) break;                                          \
     case 4: MATMUL_TILE(4, W, LOAD, STORE) break;                                          \
