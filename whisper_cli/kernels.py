@@ -586,9 +586,12 @@ def _columns_take(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 def _columns_product(lib, product: str, x, packed, n, scale, bias, out=None) -> Tensor:
     """csrc/matmul.c's `product` (a native.*_MATMUL) of x's rows and the weight `packed` by
     _by_columns, with its scales (None: 1) and bias, in x's dtype: into `out` ((M, N))
-    where given, else a new (..., N) tensor."""
+    where given, else a new (..., N) tensor. The C loop reads float32 rows: a bf16 run's
+    are widened here, exactly, once a call."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
+    if rows.dtype != torch.float32:
+        rows = rows.float()
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]

@@ -67,8 +67,8 @@ INT8_RESCALE = "rescale_rows"  # acc, M, N, amax, bias or NULL, out, out's row s
 INT8_DTYPES = ("f32", "bf16")
 # csrc/matmul.c's products of rows and a weight packed by MATMUL_COLUMNS() output columns,
 # int8 (INT8_MATMUL) or float32 (FLOAT_MATMUL), as <it>_<dtype> for each of INT8_DTYPES
-# (x's, the bias's and out's): x, M, K, x's row stride, packed, N, scale (float32; NULL
-# for the float one), bias or NULL, out, out's row stride, threads.
+# (the bias's and out's; x is float32): x, M, K, x's row stride, packed, N, scale (float32;
+# NULL for the float one), bias or NULL, out, out's row stride, threads.
 INT8_MATMUL = "int8_matmul"
 FLOAT_MATMUL = "float_matmul"
 MATMUL_COLUMNS = "matmul_columns"

@@ -3,8 +3,10 @@
  * (packing, dispatch, a matrix-vector path for one row) cost as much as the product.
  *
  * <weight>_matmul_<dtype>: out (M, N) = (x (M, K) . w (N, K)^T) * scale + bias, computed
- * in float32, x, bias and out in float32 or bfloat16 (widened as read, the result rounded
- * once as written); x's rows have stride ldx, out's ldo.
+ * in float32: x in float32 (a bfloat16 run's rows widened by the caller, once a call: a
+ * bfloat16 value widened as each multiply-add reads it took 1.3-1.5x the time), bias and
+ * out in <dtype>, float32 or bfloat16 (the bias widened as read, the result rounded once
+ * as written); x's rows have stride ldx, out's ldo.
  *   int8_matmul_*: w int8, widened to float32 in registers; scale (N,) float32 per column
  *     (kernels._int8_widened).
  *   float_matmul_*: w float32, for a bfloat16 run a float32 copy of its weight (exactly its
@@ -63,7 +65,7 @@ int64_t matmul_columns(void) { return MATMUL_COLUMNS; }
  * -> 109 and 71 -> 55, 512 x 2048 144 -> 132 and 122 -> 95, but 2048 x 512 143 -> 149 and
  * 120 -> 94; at 4 rows and 1 the same. */
 #define MATMUL_ROWS 16
-#define MATMUL_TILE(MB, W, LOAD, STORE)                                                    \
+#define MATMUL_TILE(MB, W, STORE)                                                    \
     {                                                                                      \
         __m512 acc[MB];                                                                    \
         for (int i = 0; i < MB; i++) acc[i] = _mm512_setzero_ps();                         \
@@ -72,7 +74,7 @@ int64_t matmul_columns(void) { return MATMUL_COLUMNS; }
             PREFETCH_NEXT_PANEL(wk);                                                       \
             const __m512 w = W##_W16(wk);                                                  \
             for (int i = 0; i < MB; i++) {                                                 \
-                const __m512 xi = _mm512_set1_ps(LOAD(xr[i * ldx + k]));                   \
+                const __m512 xi = _mm512_set1_ps(xr[i * ldx + k]);                         \
                 acc[i] = _mm512_fmadd_ps(xi, w, acc[i]);                                   \
             }                                                                              \
         }                                                                                  \
@@ -90,7 +92,7 @@ int64_t matmul_columns(void) { return MATMUL_COLUMNS; }
  * 3.41 and 3.03 -> 2.40, int8 3.68 -> 3.38 and 2.69 -> 2.40; 1536 x 384 int8 0.112 ->
  * 0.099 and 0.080 -> 0.069. */
 #define MATMUL_ROWS 6
-#define MATMUL_TILE(MB, W, LOAD, STORE)                                                    \
+#define MATMUL_TILE(MB, W, STORE)                                                    \
     {                                                                                      \
         __m256 lo[MB], hi[MB];                                                             \
         for (int i = 0; i < MB; i++) lo[i] = hi[i] = _mm256_setzero_ps();                  \
@@ -99,7 +101,7 @@ int64_t matmul_columns(void) { return MATMUL_COLUMNS; }
             PREFETCH_NEXT_PANEL(wk);                                                       \
             const __m256 wl = W##_W8(wk, 0), wh = W##_W8(wk, 8);                          \
             for (int i = 0; i < MB; i++) {                                                 \
-                const __m256 xi = _mm256_set1_ps(LOAD(xr[i * ldx + k]));                   \
+                const __m256 xi = _mm256_set1_ps(xr[i * ldx + k]);                         \
                 lo[i] = _mm256_fmadd_ps(xi, wl, lo[i]);                                    \
                 hi[i] = _mm256_fmadd_ps(xi, wh, hi[i]);                                    \
             }                                                                              \
@@ -115,11 +117,11 @@ int64_t matmul_columns(void) { return MATMUL_COLUMNS; }
     }
 #else
 #define MATMUL_ROWS 1
-#define MATMUL_TILE(MB, W, LOAD, STORE)                                                    \
+#define MATMUL_TILE(MB, W, STORE)                                                    \
     {                                                                                      \
         float acc[MATMUL_COLUMNS] = {0.0f}, r[MATMUL_COLUMNS];                             \
         for (int64_t k = 0; k < K; k++) {                                                  \
-            const float xk = LOAD(xr[k]);                                                  \
+            const float xk = xr[k];                                                        \
             for (int64_t j = 0; j < MATMUL_COLUMNS; j++)                                   \
                 acc[j] = fmaf(xk, W##_W1(wb + k * MATMUL_COLUMNS, j), acc[j]);             \
         }                                                                                  \
@@ -132,37 +134,37 @@ int64_t matmul_columns(void) { return MATMUL_COLUMNS; }
 
 /* The tile for the rows left: a tile's rows are a constant (its sums stay in registers). */
 #if MATMUL_ROWS >= 16
-#define WIDE_TILES(W, LOAD, STORE)                                                         \
-    case 16: MATMUL_TILE(16, W, LOAD, STORE) break;                                        \
-    case 15: MATMUL_TILE(15, W, LOAD, STORE) break;                                        \
-    case 14: MATMUL_TILE(14, W, LOAD, STORE) break;                                        \
-    case 13: MATMUL_TILE(13, W, LOAD, STORE) break;                                        \
-    case 12: MATMUL_TILE(12, W, LOAD, STORE) break;                                        \
-    case 11: MATMUL_TILE(11, W, LOAD, STORE) break;                                        \
-    case 10: MATMUL_TILE(10, W, LOAD, STORE) break;                                        \
-    case 9: MATMUL_TILE(9, W, LOAD, STORE) break;                                          \
-    case 8: MATMUL_TILE(8, W, LOAD, STORE) break;                                          \
-    case 7: MATMUL_TILE(7, W, LOAD, STORE) break;
+#define WIDE_TILES(W, STORE)                                                               \
+    case 16: MATMUL_TILE(16, W, STORE) break;                                              \
+    case 15: MATMUL_TILE(15, W, STORE) break;                                              \
+    case 14: MATMUL_TILE(14, W, STORE) break;                                              \
+    case 13: MATMUL_TILE(13, W, STORE) break;                                              \
+    case 12: MATMUL_TILE(12, W, STORE) break;                                              \
+    case 11: MATMUL_TILE(11, W, STORE) break;                                              \
+    case 10: MATMUL_TILE(10, W, STORE) break;                                              \
+    case 9: MATMUL_TILE(9, W, STORE) break;                                                \
+    case 8: MATMUL_TILE(8, W, STORE) break;                                                \
+    case 7: MATMUL_TILE(7, W, STORE) break;
 #else
-#define WIDE_TILES(W, LOAD, STORE)
+#define WIDE_TILES(W, STORE)
 #endif
 #if MATMUL_ROWS >= 6
-#define MATMUL_ROWS_SWITCH(rows, W, LOAD, STORE)                                           \
+#define MATMUL_ROWS_SWITCH(rows, W, STORE)                                                 \
     switch (rows) {                                                                        \
-    WIDE_TILES(W, LOAD, STORE)                                                             \
-    case 6: MATMUL_TILE(6, W, LOAD, STORE) break;                                          \
-    case 5: MATMUL_TILE(5, W, LOAD, STORE) break;                                          \
-    case 4: MATMUL_TILE(4, W, LOAD, STORE) break;                                          \
-    case 3: MATMUL_TILE(3, W, LOAD, STORE) break;                                          \
-    case 2: MATMUL_TILE(2, W, LOAD, STORE) break;                                          \
-    default: MATMUL_TILE(1, W, LOAD, STORE) break;                                         \
+    WIDE_TILES(W, STORE)                                                                   \
+    case 6: MATMUL_TILE(6, W, STORE) break;                                                \
+    case 5: MATMUL_TILE(5, W, STORE) break;                                                \
+    case 4: MATMUL_TILE(4, W, STORE) break;                                                \
+    case 3: MATMUL_TILE(3, W, STORE) break;                                                \
+    case 2: MATMUL_TILE(2, W, STORE) break;                                                \
+    default: MATMUL_TILE(1, W, STORE) break;                                               \
     }
 #else
-#define MATMUL_ROWS_SWITCH(rows, W, LOAD, STORE) (void)(rows); MATMUL_TILE(1, W, LOAD, STORE)
+#define MATMUL_ROWS_SWITCH(rows, W, STORE) (void)(rows); MATMUL_TILE(1, W, STORE)
 #endif
 
 #define MATMUL(NAME, W, T, LOAD, STORE)                                                    \
-    void NAME(const T *x, int64_t M, int64_t K, int64_t ldx, const W##_T *packed,          \
+    void NAME(const float *x, int64_t M, int64_t K, int64_t ldx, const W##_T *packed,      \
               int64_t N, const float *scale, const T *bias, T *out, int64_t ldo,           \
               int threads) {                                                               \
         const int64_t tiles = (N + MATMUL_COLUMNS - 1) / MATMUL_COLUMNS;                   \
@@ -177,9 +179,9 @@ int64_t matmul_columns(void) { return MATMUL_COLUMNS; }
                 c[j] = n0 + j < N && bias ? LOAD(bias[n0 + j]) : 0.0f;                     \
             }                                                                              \
             for (int64_t m0 = 0; m0 < M; m0 += MATMUL_ROWS) {                              \
-                const T *xr = x + m0 * ldx;                                                \
+                const float *xr = x + m0 * ldx;                                            \
                 const int64_t rows = M - m0 < MATMUL_ROWS ? M - m0 : MATMUL_ROWS;          \
-                MATMUL_ROWS_SWITCH(rows, W, LOAD, STORE)                                   \
+                MATMUL_ROWS_SWITCH(rows, W, STORE)                                         \
             }                                                                              \
         }                                                                                  \
     }
