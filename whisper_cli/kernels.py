@@ -683,7 +683,7 @@ def upcast_candidates(kind: str, dtype: torch.dtype) -> tuple[str, ...]:
 def _columns_offered(dtype: torch.dtype) -> bool:
     """Whether "columns" (csrc/matmul.c) is timed for `dtype`: one of its dtypes, where
     the library builds."""
-    return dtype in _INT8_NATIVE_DTYPES and _native_offered()
+    return dtype in _NATIVE_DTYPES and _native_offered()
 
 
 def logits_candidates(dtype: torch.dtype) -> tuple[str, ...]:
@@ -804,11 +804,11 @@ def _rescale(
 
 
 def _native_rows(x: Tensor) -> bool:
-    """Whether csrc/int8.c and matmul.c have their passes for x's dtype."""
-    return x.dtype in _INT8_NATIVE_DTYPES
+    """Whether csrc/int8.c's passes and matmul.c's products take x's dtype."""
+    return x.dtype in _NATIVE_DTYPES
 
 
-_INT8_NATIVE_DTYPES = frozenset(DTYPE_NAMES[name] for name in native.INT8_DTYPES)
+_NATIVE_DTYPES = frozenset(DTYPE_NAMES[name] for name in native.ROW_DTYPES)
 
 
 @dataclass(frozen=True)

@@ -59,14 +59,14 @@ DECODE_ATTENTION = {
     "decode_attention_f32": ("f32", False),
     "decode_attention_f32_kcols": ("f32", True),
 }
-# csrc/int8.c: its passes, each as <pass>_<dtype> for each of INT8_DTYPES (x's dtype for
+# csrc/int8.c: its passes, each as <pass>_<dtype> for each of ROW_DTYPES (x's dtype for
 # the row passes, out's and the bias's for the rescale).
 INT8_ROW_PASSES = ("unit_rows", "quantize_rows")  # x, M, K, x's row stride, y, amax, threads
 INT8_GRID_PASS = "quantize_rows"  # takes its grid's steps and zero (floats) before threads
 INT8_RESCALE = "rescale_rows"  # acc, M, N, amax, bias or NULL, out, out's row stride, threads
-INT8_DTYPES = ("f32", "bf16")
+ROW_DTYPES = ("f32", "bf16")  # the run dtypes int8.c's passes and matmul.c's products take
 # csrc/matmul.c's products of rows and a weight packed by MATMUL_COLUMNS() output columns,
-# int8 (INT8_MATMUL) or float32 (FLOAT_MATMUL), as <it>_<dtype> for each of INT8_DTYPES
+# int8 (INT8_MATMUL) or float32 (FLOAT_MATMUL), as <it>_<dtype> for each of ROW_DTYPES
 # (the bias's and out's; x is float32): x, M, K, x's row stride, packed, N, scale (float32;
 # NULL for the float one), bias or NULL, out, out's row stride, threads.
 INT8_MATMUL = "int8_matmul"
@@ -192,7 +192,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.restype = ctypes.c_int
     fn = getattr(lib, ENCODER_LANES)
     fn.argtypes, fn.restype = [], sizes
-    for dtype in INT8_DTYPES:
+    for dtype in ROW_DTYPES:
         for name in INT8_ROW_PASSES:
             fn = getattr(lib, f"{name}_{dtype}")
             grid = [ctypes.c_float] * 2 if name == INT8_GRID_PASS else []
