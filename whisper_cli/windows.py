@@ -63,8 +63,14 @@ def speech_stream(detector: SileroVAD, policy: Policy) -> SpeechStream:
         level_gain(policy),
         quiet,
         threshold=policy.vad_threshold,
-        min_run=max(1, round(policy.min_speech_seconds / FRAME_SECONDS)),
+        min_run=min_speech_frames(policy),
     )
+
+
+def min_speech_frames(policy: Policy) -> int:
+    """The frames of speech running that make a stretch of speech, not a click or a
+    breath (policy.min_speech_seconds): for the cutter and for a quiet section's hearing."""
+    return max(1, round(policy.min_speech_seconds / FRAME_SECONDS))
 
 
 def level_gain(policy: Policy) -> LevelGain | None:
@@ -149,7 +155,7 @@ class WindowCutter:
         self.max_samples = round(max_seconds * SAMPLE_RATE)
         self.lead = frames(policy.speech_lead_seconds)
         self.tail = frames(policy.speech_tail_seconds)
-        self.min_speech = max(1, frames(policy.min_speech_seconds))
+        self.min_speech = min_speech_frames(policy)
         self.min_silence = max(1, frames(policy.min_silence_seconds))
         self.search = min(frames(policy.cut_search_seconds), self.max_frames - 1)
         if vad and self.lead + self.tail >= self.max_frames:
