@@ -14,8 +14,9 @@ from util import real_tokenizer
 
 from whisper_cli.audio import SAMPLE_RATE
 from whisper_cli.decoding import DecodedRow
-from whisper_cli.judge import best, judge, needs_fallback
+from whisper_cli.judge import best, echoed_words, judge, may_echo, needs_fallback
 from whisper_cli.options import Policy
+from whisper_cli.results import Segment, Word
 from whisper_cli.speech import FRAME_SECONDS
 from whisper_cli.tokenizer import Tokenizer
 from whisper_cli.windows import Window
@@ -328,3 +329,107 @@ def test_a_repeat_is_timed_against_the_speech_under_what_it_repeats(tok) -> None
     assert texts(verdict) == ["on the left."] * 2 and verdict.repetitive == 0
     spans = judge(w, [row(tok, pieces)], POLICY, tok, use_map=False)
     assert texts(spans) == ["on the left."] and spans.repetitive == 1
+
+
+# --- a window's end written again by the next window (judge.echoed_words) ------------------
+
+
+def timed(text_words: list[tuple[str, float, float]], start: float, end: float) -> Segment:
+    """A segment of (word, start s, end s) in input time, with those words."""
+    words = tuple(Word(w, a, b, 0.9) for w, a, b in text_words)
+    return Segment(start, end, "".join(w.word for w in words), words=words)
+
+
+# jfk's "ask not | what your country can do for you", cut in the pause after "not": the
+# first window (10-36 s of its input) heard "And so my fellow Americans, ask not" (speech
+# to 35.8 s), the next one (36-46 s) the rest from 36.6 s.
+CUT = window([(21.0, 23.0), (24.0, 25.8)], seconds=26.0, start=10.0)
+NEXT = replace(window([(0.6, 2.8), (3.2, 5.5)], seconds=10.0, start=36.0), index=1)
+HEARD = [
+    (" And", 31.0, 31.5),
+    (" so", 31.5, 31.8),
+    (" my", 31.8, 32.1),
+    (" fellow", 32.1, 32.5),
+    (" Americans,", 32.5, 33.0),
+    (" ask", 34.0, 34.8),
+    (" not", 34.8, 35.8),
+]
+SAID_AGAIN = [
+    (" what", 35.8, 36.0),
+    (" your", 36.0, 36.0),
+    (" country", 36.0, 36.0),
+    (" can", 36.0, 36.0),
+    (" do", 36.0, 36.0),
+    (" for", 36.0, 36.0),
+    (" you.", 36.0, 36.0),
+]
+FOLLOWING = (
+    timed(
+        [
+            (" What", 36.6, 37.0),
+            (" your", 37.0, 37.3),
+            (" country", 37.3, 37.8),
+            (" can", 37.8, 38.1),
+            (" do", 38.1, 38.3),
+            (" for", 38.3, 38.5),
+            (" you,", 38.5, 38.8),
+        ],
+        36.4,
+        38.8,
+    ),
+    timed([(" ask", 39.2, 39.6), (" what", 39.6, 39.9)], 39.2, 39.9),
+)
+
+
+def test_the_next_windows_words_written_past_a_cut_are_dropped_there() -> None:
+    last = timed(HEARD + SAID_AGAIN, 31.0, 36.0)
+    assert may_echo(last, FOLLOWING, POLICY)
+    assert echoed_words(last, CUT, FOLLOWING, NEXT, POLICY) == 7
+    # Without the map their spans decide: 0.2 s against 2.2 s.
+    assert echoed_words(last, CUT, FOLLOWING, NEXT, POLICY, use_map=False) == 7
+
+
+def test_words_heard_before_the_cut_and_said_again_after_it_stay() -> None:
+    """The speaker says "what your country can do for you" before the cut and again after
+    it: the first copy lies over as much speech as the second, and is kept."""
+    cut = window([(21.0, 23.0), (24.0, 25.8)], seconds=26.0, start=10.0)
+    said = [
+        (" what", 34.0, 34.3),
+        (" your", 34.3, 34.5),
+        (" country", 34.5, 34.9),
+        (" can", 34.9, 35.1),
+        (" do", 35.1, 35.3),
+        (" for", 35.3, 35.5),
+        (" you.", 35.5, 35.8),
+    ]
+    last = timed(HEARD[:5] + said, 31.0, 35.8)
+    assert may_echo(last, FOLLOWING, POLICY)
+    assert echoed_words(last, cut, FOLLOWING, NEXT, POLICY) == 0
+    assert echoed_words(last, cut, FOLLOWING, NEXT, POLICY, use_map=False) == 0
+
+
+def test_one_word_on_both_sides_of_a_cut_is_kept() -> None:
+    """ "no. | No," is as likely said twice: one word is never taken for an echo, however
+    little speech lies under it."""
+    last = timed([*HEARD, (" what", 36.0, 36.0)], 31.0, 36.0)
+    assert not may_echo(last, FOLLOWING, POLICY)
+    assert echoed_words(last, CUT, FOLLOWING, NEXT, POLICY) == 0
+    assert echoed_words(last, CUT, FOLLOWING, NEXT, replace(POLICY, echo_min_words=1)) == 1
+
+
+def test_other_words_are_no_echo_and_a_word_in_pieces_counts_once() -> None:
+    other = timed([*HEARD, (" and", 36.0, 36.0), (" then", 36.0, 36.0)], 31.0, 36.0)
+    assert echoed_words(other, CUT, FOLLOWING, NEXT, POLICY) == 0
+    # "can't" is two words to the match ("can", "t") and one Word entry to drop.
+    last = timed([*HEARD, (" can't", 35.9, 36.0), (" stop", 36.0, 36.0)], 31.0, 36.0)
+    following = (timed([(" Can't", 36.6, 37.2), (" stop.", 37.2, 37.9)], 36.4, 37.9),)
+    assert echoed_words(last, CUT, following, NEXT, POLICY) == 2
+    # A match that begins inside a word ("t stop" of "can't stop") is no run of whole words.
+    following = (timed([(" T", 36.6, 36.8), (" stop.", 36.8, 37.9)], 36.4, 37.9),)
+    assert may_echo(last, following, POLICY)
+    assert echoed_words(last, CUT, following, NEXT, POLICY) == 0
+
+
+def test_punctuation_after_an_echo_goes_with_it() -> None:
+    last = timed(HEARD + SAID_AGAIN + [(" ...", 36.0, 36.0)], 31.0, 36.0)
+    assert echoed_words(last, CUT, FOLLOWING, NEXT, POLICY) == 8

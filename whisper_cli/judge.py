@@ -14,12 +14,12 @@ sentence, and audio with no speech at all is never decoded in the first place.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from whisper_cli.decoding import DecodedRow
 from whisper_cli.options import Policy
-from whisper_cli.results import Segment
+from whisper_cli.results import Segment, Word
 from whisper_cli.segments import compression_ratio, piece_segment, text_pieces
 from whisper_cli.tokenizer import Tokenizer
 from whisper_cli.windows import Window
@@ -157,6 +157,95 @@ def repeats_too_fast(
 
 def _words(text: str) -> list[str]:
     return "".join(c.lower() if c.isalnum() else " " for c in text).split()
+
+
+def may_echo(last: Segment, following: Sequence[Segment], policy: Policy) -> bool:
+    """Whether the last segment of a window cut inside speech ends with at least
+    policy.echo_min_words words that the next window's segments begin with (text alone:
+    the check that decides whether `echoed_words` needs word times)."""
+    mine = _words(last.text)
+    theirs = _words("".join(s.text for s in following))[: len(mine)]
+    n = _overlap(mine, theirs)
+    return n >= policy.echo_min_words
+
+
+def echoed_words(
+    last: Segment,
+    window: Window,
+    following: Sequence[Segment],
+    after: Window,
+    policy: Policy,
+    *,
+    use_map: bool = True,
+) -> int:
+    """How many of the last words (Word entries) of `last`, the last segment of `window`,
+    repeat the words `after` (the input's next window, cut from it inside speech) begins
+    with, written once too often: 0 to keep them all.
+
+    At a cut the decoder may go on past its window's audio with what it expects to
+    follow (base with int8 weights wrote "ask not what your country can do for you." at
+    a cut after "ask not", having heard the sentence earlier in the window), and the next
+    window then says those words again, from its own audio. The evidence is
+    repeats_too_fast's, across the cut: the longest run of whole words (at least
+    policy.echo_min_words) that ends `last` and begins `after`'s text is dropped from
+    `last` when its words lie over less than policy.repeat_min_span_fraction of the speech
+    under them in `after` (the map's; their spans where it is not used). Words the window
+    heard, said again after the cut, lie over as much speech as their repeat and stay.
+    Both segments need their word times (`Segment.words`)."""
+    mine = [(w, _words(w.word)) for w in last.words]
+    mine = [(w, n) for w, n in mine if n]
+    theirs = [(w, _words(w.word)) for s in following for w in s.words]
+    theirs = [(w, n) for w, n in theirs if n]
+    flat_mine = [x for _, n in mine for x in n]
+    flat_theirs = [x for _, n in theirs for x in n][: len(flat_mine)]
+    count = _overlap(flat_mine, flat_theirs)
+    if count < policy.echo_min_words:
+        return 0
+    # The overlap in whole Word entries on both sides (a word of several pieces, "can't",
+    # counts once); none when it starts inside a word.
+    taken, k = 0, 0
+    while taken < count and k < len(mine):
+        k += 1
+        taken += len(mine[-k][1])
+    taken_theirs, j = 0, 0
+    while taken_theirs < count and j < len(theirs):
+        taken_theirs += len(theirs[j][1])
+        j += 1
+    if taken != count or taken_theirs != count:
+        return 0
+    said = _speech_of(window, mine[-k][0], mine[-1][0], use_map)
+    again = _speech_of(after, theirs[0][0], theirs[j - 1][0], use_map)
+    if said < policy.repeat_min_span_fraction * again:
+        return _entries(last.words, k)
+    return 0
+
+
+def _entries(words: Sequence[Word], k: int) -> int:
+    """How many trailing Word entries of `words` hold its last k entries with words
+    (punctuation-only entries after them go too)."""
+    seen = 0
+    for i in range(len(words) - 1, -1, -1):
+        if _words(words[i].word):
+            seen += 1
+            if seen == k:
+                return len(words) - i
+    return len(words)
+
+
+def _speech_of(window: Window, first: Word, last: Word, use_map: bool) -> float:
+    """Seconds of speech under words first..last (input times) in their window: the map's,
+    or their span where it is not used."""
+    if not use_map:
+        return max(last.end - first.start, 0.0)
+    return window.speech_seconds_between(first.start - window.start, last.end - window.start)
+
+
+def _overlap(mine: list[str], theirs: list[str]) -> int:
+    """The longest n with mine[-n:] == theirs[:n] (0: none)."""
+    for n in range(min(len(mine), len(theirs)), 0, -1):
+        if mine[-n:] == theirs[:n]:
+            return n
+    return 0
 
 
 def judge(

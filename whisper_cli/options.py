@@ -213,6 +213,13 @@ class Policy:
     # each said at one pace, keep the fraction near 1. A third leaves people who repeat
     # themselves twice as fast.
     repeat_min_span_fraction: float = 1 / 3
+    # The same rule across a cut inside speech (judge.echoed_words): the words that end a
+    # window's last segment and begin the next window's text are dropped from the first
+    # when they lie over under repeat_min_span_fraction of the speech they take in the
+    # second, and they are at least this many words. One word said on both sides of a
+    # pause ("no. | No,") is as likely said twice, and a window's last word is the one
+    # word timing places least well (it runs into the window's end).
+    echo_min_words: int = 2
     # Temperatures tried in turn on a window that fails the checks above (or loops).
     temperatures: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
     seed: int = 0  # sampling at temperature > 0 is seeded: the same run gives the same text
@@ -253,6 +260,8 @@ class Policy:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.echo_min_words < 1:
+            raise ValueError("echo_min_words must be >= 1")
         if self.quiet_drop_db is not None and self.quiet_drop_db <= 0:
             raise ValueError("quiet_drop_db must be > 0 (or None)")
 
