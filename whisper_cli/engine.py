@@ -446,6 +446,24 @@ class Engine:
         return words
 
     @torch.inference_mode()
+    def align_audio(
+        self, audio: Sequence[np.ndarray], texts: Sequence[AlignRow]
+    ) -> list[WindowWords]:
+        """Word timings of `texts`, one per window of `audio`, for windows decoded in an
+        earlier run: their audio is encoded again (the decode keeps no encoder output
+        once its batch is judged), then aligned in one teacher-forced pass."""
+        aligner = self.aligner or Aligner(self.loaded, self.options.task)
+        mel = batch_log_mel(
+            list(audio), len(audio), self.loaded.config.num_mel_bins, self.model.device
+        )
+        features = self.encode(mel)
+        started = self._start()
+        words = aligner.align(features, texts)
+        self.counters.align_s += self._stop(started)
+        self.counters.aligns += 1
+        return words
+
+    @torch.inference_mode()
     def encode(self, mel: torch.Tensor) -> torch.Tensor:
         """(B, n_mels, 3000) float32 log-mel -> (B, S, C) encoder output in the model dtype."""
         started = self._start()

@@ -3,7 +3,9 @@
 Data flows one way: inputs -> audio blocks -> speech map and windows (windows.py) ->
 batches of jobs (scheduler.py) -> log-mel -> encoder -> decoder (engine.py) -> the
 judge's verdict on each window (judge.py) -> segments, handed to a callback as soon as
-the scheduler says they and everything before them are final -> one Transcript per
+the scheduler says they and everything before them are final (a window cut inside
+speech keeps its last segment back until the next window is final, unless text is due
+sooner, under a latency bound: judge.echoed_words may trim it) -> one Transcript per
 input, handed to a callback as soon as its last window is final. Windows of one file
 and of several files share batches; only a batch of windows is held in memory at a time.
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import numpy as np
@@ -28,7 +30,7 @@ from whisper_cli.decoding import DecodedRow, DecodeOptions, LanguageGuess
 from whisper_cli.dtypes import dtype_name
 from whisper_cli.engine import Decoded, Engine, Reply, Retry, WindowInput
 from whisper_cli.errors import InputError, WhisperCliError
-from whisper_cli.judge import Judgement, judge
+from whisper_cli.judge import Judgement, echoed_words, judge, may_echo
 from whisper_cli.loading import LoadedModel
 from whisper_cli.options import (
     RUN_BATCHES,
@@ -49,12 +51,21 @@ from whisper_cli.scheduler import (
     Track,
     later_attempts,
 )
-from whisper_cli.segments import attach_words
+from whisper_cli.segments import attach_words, without_last_words
 from whisper_cli.speech import load_detector
 from whisper_cli.timing import AlignRow
-from whisper_cli.windows import WindowCutter
+from whisper_cli.windows import Window, WindowCutter
 
 __all__ = ["Counters", "Policy", "Progress", "TranscribeOptions", "Transcriber", "check_options"]
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A settled window cut inside speech, whose last segment waits for the next window
+    of its input (judge.echoed_words), with all its segments (word timing needs them)."""
+
+    window: Window
+    segments: tuple[Segment, ...]
 
 
 @dataclass
@@ -64,15 +75,19 @@ class _Result:
     language: LanguageGuess | None = None
     settled: list[Segment] = field(default_factory=list)  # of its settled windows, in order
     pending: dict[int, tuple[Segment, ...]] = field(default_factory=dict)  # window -> its own
+    windows: dict[int, Window] = field(default_factory=dict)  # the pending ones
+    held: _Held | None = None
 
     def segments(self) -> list[Segment]:
         """Every segment of its final windows so far."""
-        return self.settled + [s for segs in self.pending.values() for s in segs]
+        held = [self.held.segments[-1]] if self.held is not None else []
+        return self.settled + held + [s for segs in self.pending.values() for s in segs]
 
     # Text the guards or limits cut, reported as the transcript's warnings (_cut_warnings).
     hit_max_tokens: int = 0  # windows that used all of max_new_tokens without ending
     looped: int = 0  # windows that looped at every temperature (cut by the guard)
     too_repetitive: int = 0  # segments dropped as repetitive (see judge.Judgement)
+    echoes: int = 0  # window ends trimmed of the next window's words (judge.echoed_words)
 
 
 @dataclass
@@ -160,6 +175,9 @@ class Transcriber:
         self.detector = load_detector()
         self.rows = options.batch_size  # halved for the rest of the run on out-of-memory
         self.per_run = 1  # batches of windows a run holds (see TranscribeOptions.refill)
+        # Whether a window cut inside speech holds its last segment for the next window
+        # (judge.echoed_words): not under a latency bound, where its text is due first.
+        self.holds = True
         self.counters = Counters()
         self._results: list[_Result] = []  # per input of the run in progress
         self._reporter = Reporter(None, 0.0, lambda: 0.0)  # the run in progress's
@@ -205,6 +223,9 @@ class Transcriber:
                     if on_segments and segments:
                         on_segments(event.track.path, segments)
                 elif isinstance(event, Finished):
+                    segments = self._release(event.track)
+                    if on_segments and segments:
+                        on_segments(event.track.path, segments)
                     on_result(self._finish(event.track))
 
         self._reporter = reporter = Reporter(on_progress, total, scheduler.audio_done)
@@ -240,6 +261,7 @@ class Transcriber:
         refill = self.options.refill
         refill = self.options.compile if refill is None else refill
         self.per_run = RUN_BATCHES if refill and latency is None else 1
+        self.holds = latency is None
         return Scheduler(
             sources,
             lambda i: WindowCutter(
@@ -443,7 +465,9 @@ class Transcriber:
         where it finishes (its encoder output is the same there)."""
         if not self.options.word_timestamps:
             for _, job, verdict in final:
-                self._results[job.window.source].pending[job.window.index] = verdict.segments
+                result = self._results[job.window.source]
+                result.pending[job.window.index] = verdict.segments
+                result.windows[job.window.index] = job.window
             return
         text = [AlignRow((), len(j.window.audio), j.language) for j in batch]
         for r, job, verdict in final:
@@ -458,6 +482,7 @@ class Transcriber:
             last_speech = max(before, default=0.0)
             words = attach_words(list(verdict.segments), aligned[r], job.window.start, last_speech)
             result.pending[job.window.index] = tuple(words)
+            result.windows[job.window.index] = job.window
 
     def _seed(self, job: Job, attempt: int | None = None) -> int:
         """A window's sampling seed: from the policy's seed, where the window lies in its
@@ -523,11 +548,73 @@ class Transcriber:
         return LanguageGuess(codes[best], float(pooled[best]))
 
     def _settle(self, event: Settled) -> tuple[Segment, ...]:
-        """The segments of the windows just settled, in window order, moved to settled."""
+        """The segments of the windows just settled, in window order, moved to settled;
+        a window cut inside speech holds its last segment back for the next one."""
         result = self._results[event.track.index]
-        new = [s for w in range(event.first, event.stop) for s in result.pending.pop(w, ())]
+        new: list[Segment] = []
+        for w in range(event.first, event.stop):
+            segments = result.pending.pop(w, ())
+            window = result.windows.pop(w, None)
+            if result.held is not None:
+                new += self._unecho(result, window, segments)
+            if segments and window is not None and window.cut_off and self.holds:
+                new += segments[:-1]
+                result.held = _Held(window, segments)
+            else:
+                new += segments
         result.settled.extend(new)
         return tuple(new)
+
+    def _release(self, track: Track) -> tuple[Segment, ...]:
+        """A finished input's held segment (no window follows it), moved to settled."""
+        result = self._results[track.index]
+        if result.held is None:
+            return ()
+        last = result.held.segments[-1]
+        result.held = None
+        result.settled.append(last)
+        return (last,)
+
+    def _unecho(
+        self, result: _Result, window: Window | None, segments: tuple[Segment, ...]
+    ) -> list[Segment]:
+        """The held segment, without the words that the next window (`window`, with its
+        `segments`) begins with where judge.echoed_words finds them written once too often."""
+        held, result.held = result.held, None
+        last = held.segments[-1]
+        adjacent = window is not None and window.index == held.window.index + 1
+        if not adjacent or not segments or not may_echo(last, segments, self.policy):
+            return [last]
+        timed, following = last, segments
+        if not self.options.word_timestamps:
+            timed, following = self._timed(result, held, window, segments)
+        n = echoed_words(
+            timed, held.window, following, window, self.policy, use_map=self.options.vad
+        )
+        trimmed = without_last_words(timed, n, self.loaded.tokenizer)
+        if trimmed is timed:
+            return [last]
+        result.echoes += 1
+        if trimmed is None:
+            return []
+        if not self.options.word_timestamps:  # its words were for the judge alone
+            trimmed = replace(trimmed, start=last.start, end=last.end, words=())
+        return [trimmed]
+
+    def _timed(
+        self, result: _Result, held: _Held, window: Window, segments: tuple[Segment, ...]
+    ) -> tuple[Segment, tuple[Segment, ...]]:
+        """The held segment and the next window's segments with their words, from one
+        alignment pass over both windows (as --word-timestamps would give them)."""
+        rows = [
+            AlignRow(sum((s.tokens for s in segs), ()), len(w.audio), segs[0].language)
+            for w, segs in ((held.window, held.segments), (window, segments))
+        ]
+        words = self.engine.align_audio([held.window.audio, window.audio], rows)
+        before = max((s.end for s in result.settled if s.end <= held.window.start), default=0.0)
+        last = attach_words(list(held.segments), words[0], held.window.start, before)[-1]
+        theirs = attach_words(list(segments), words[1], window.start, last.end)
+        return last, tuple(theirs)
 
     def _finish(self, track: Track) -> Transcript:
         result = self._results[track.index]
@@ -579,6 +666,15 @@ class Transcriber:
                     f"{result.looped} window(s) kept repeating themselves at every "
                     "temperature and were cut by the repetition guard; the rest of those "
                     "windows is missing",
+                )
+            )
+        if result.echoes:
+            found.append(
+                TranscriptWarning(
+                    "echo",
+                    f"{result.echoes} window end(s) cut inside speech wrote the next "
+                    "window's first words ahead of their audio; those words were kept once, "
+                    "where they are heard",
                 )
             )
         if result.too_repetitive:

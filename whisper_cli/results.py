@@ -11,6 +11,7 @@ WARNING_CODES = (
     "text_cut",  # windows reached --max-new-tokens before their end
     "looped",  # windows looped at every temperature and were cut by the repetition guard
     "repetitive",  # segments dropped above --compression-ratio-threshold
+    "echo",  # words a window wrote past a cut, said again by the next window, kept once
     "no_speech",  # no text at all: no speech found
 )
 

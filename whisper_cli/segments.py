@@ -114,6 +114,36 @@ def window_segments(
     return [s for s in segments if s is not None]
 
 
+def without_last_words(segment: Segment, n: int, tokenizer: Tokenizer) -> Segment | None:
+    """`segment` without its last n Word entries (its words are needed) and the text tokens
+    that spell them; None if nothing is left. The segment unchanged where no token boundary
+    spells them (a word sharing a token with the one before it)."""
+    if n <= 0:
+        return segment
+    kept, dropped = segment.words[:-n], segment.words[-n:]
+    spelt = "".join(w.word for w in dropped).strip()
+    tokens = segment.tokens
+    for i in range(len(tokens), -1, -1):
+        tail = tokenizer.decode(list(tokens[i:])).strip()
+        if tail == spelt:
+            break
+        if len(tail) > len(spelt):
+            return segment
+    else:
+        return segment
+    text = tokenizer.decode(list(tokens[:i]))
+    if not text.strip():
+        return None
+    return replace(
+        segment,
+        end=kept[-1].end if kept else segment.end,
+        text=text,
+        tokens=tokens[:i],
+        compression_ratio=compression_ratio(text),
+        words=kept,
+    )
+
+
 def attach_words(
     segments: list[Segment],
     window: WindowWords,
