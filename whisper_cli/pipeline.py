@@ -74,14 +74,14 @@ class _Result:
 
     language: LanguageGuess | None = None
     settled: list[Segment] = field(default_factory=list)  # of its settled windows, in order
-    pending: dict[int, tuple[Segment, ...]] = field(default_factory=dict)  # window -> its own
-    windows: dict[int, Window] = field(default_factory=dict)  # the pending ones
+    # Its final windows not settled yet, by index: each window and its own segments.
+    pending: dict[int, tuple[Window, tuple[Segment, ...]]] = field(default_factory=dict)
     held: _Held | None = None
 
     def segments(self) -> list[Segment]:
         """Every segment of its final windows so far."""
         held = [self.held.segments[-1]] if self.held is not None else []
-        return self.settled + held + [s for segs in self.pending.values() for s in segs]
+        return self.settled + held + [s for _, segs in self.pending.values() for s in segs]
 
     # Text the guards or limits cut, reported as the transcript's warnings (_cut_warnings).
     hit_max_tokens: int = 0  # windows that used all of max_new_tokens without ending
@@ -466,8 +466,7 @@ class Transcriber:
         if not self.options.word_timestamps:
             for _, job, verdict in final:
                 result = self._results[job.window.source]
-                result.pending[job.window.index] = verdict.segments
-                result.windows[job.window.index] = job.window
+                result.pending[job.window.index] = (job.window, verdict.segments)
             return
         text = [AlignRow((), len(j.window.audio), j.language) for j in batch]
         for r, job, verdict in final:
@@ -481,8 +480,7 @@ class Transcriber:
             before = [s.end for s in result.segments() if s.end <= job.window.start]
             last_speech = max(before, default=0.0)
             words = attach_words(list(verdict.segments), aligned[r], job.window.start, last_speech)
-            result.pending[job.window.index] = tuple(words)
-            result.windows[job.window.index] = job.window
+            result.pending[job.window.index] = (job.window, tuple(words))
 
     def _seed(self, job: Job, attempt: int | None = None) -> int:
         """A window's sampling seed: from the policy's seed, where the window lies in its
@@ -553,8 +551,7 @@ class Transcriber:
         result = self._results[event.track.index]
         new: list[Segment] = []
         for w in range(event.first, event.stop):
-            segments = result.pending.pop(w, ())
-            window = result.windows.pop(w, None)
+            window, segments = result.pending.pop(w, (None, ()))
             if result.held is not None:
                 new += self._unecho(result, window, segments)
             if segments and window is not None and window.cut_off and self.holds:
@@ -582,8 +579,8 @@ class Transcriber:
         `segments`) begins with where judge.echoed_words finds them written once too often."""
         held, result.held = result.held, None
         last = held.segments[-1]
-        adjacent = window is not None and window.index == held.window.index + 1
-        if not adjacent or not segments or not may_echo(last, segments, self.policy):
+        # Settled windows come in index order, each met once: `window` follows held's.
+        if window is None or not segments or not may_echo(last, segments, self.policy):
             return [last]
         timed, following = last, segments
         if not self.options.word_timestamps:
