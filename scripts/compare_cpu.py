@@ -50,7 +50,8 @@ f32's time where the CPU has no avx512_bf16 / amx_bf16, <= 0.8x where it has one
 `--isa avx2` holds every row to AVX2 on a CPU that has more (an AVX-512 Zen 4 or Xeon
 standing in for the 2-core Zen 3 that CI and the issues' tables ran on): torch's
 own kernels (ATEN_CPU_CAPABILITY), oneDNN's (ONEDNN_MAX_CPU_ISA), MKL's
-(MKL_ENABLE_INSTRUCTIONS) and CTranslate2's (CT2_FORCE_CPU_ISA), and whisper-cli's C
+(MKL_ENABLE_INSTRUCTIONS), fbgemm's (FBGEMM_ENABLE_INSTRUCTIONS: without it torch's int8
+GEMM keeps AVX-512 VNNI) and CTranslate2's (CT2_FORCE_CPU_ISA), and whisper-cli's C
 kernels, built through a compiler wrapper (.cache/isa-avx2/cc) that compiles for
 x86-64-v3 where they ask for -march=native. The kernel plan and the C kernels' library
 are then the held run's own (their cache keys name the limits and the build). Each
@@ -420,6 +421,7 @@ ISA_LIMITS = {
         "ONEDNN_MAX_CPU_ISA": "AVX2",
         "MKL_ENABLE_INSTRUCTIONS": "AVX2",
         "CT2_FORCE_CPU_ISA": "AVX2",
+        "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
     }
 }
 ISA_MARCH = {"avx2": "x86-64-v3"}
@@ -450,14 +452,29 @@ def isa_environment(isa: str, folder: Path) -> dict[str, str]:
     return {**ISA_LIMITS[isa], "CC": str(wrapper)}
 
 
+# What a child reports of the kernels it runs: torch's capability, and the grid of
+# fbgemm's int8 GEMM (the narrow one where it sums pairs in int16, as AVX2 does).
+ISA_PROBE = """import torch
+from whisper_cli import kernels
+print(torch.backends.cpu.get_cpu_capability())
+fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
+print(kernels.activation_grid("fbgemm").steps if fbgemm else "none")
+"""
+
+
 def check_isa(isa: str, env: dict[str, str]) -> None:
-    """Stop unless a child's torch, under `env`, reports running `isa`'s kernels."""
+    """Stop unless a child, under `env`, runs `isa`'s kernels: torch's capability, and
+    fbgemm's int8 GEMM saturating as AVX2's does (its limit is a variable of its own)."""
     done = subprocess.run(
-        [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
-        capture_output=True, text=True, env=env, check=False,
-    )  # fmt: skip
-    if done.stdout.strip().lower() != isa:
+        [sys.executable, "-c", ISA_PROBE], capture_output=True, text=True, env=env, check=False
+    )
+    got = done.stdout.split()
+    if len(got) != 2 or got[0].lower() != isa:
         raise SystemExit(f"--isa {isa}: torch runs {done.stdout.strip() or done.stderr[-300:]}")
+    from whisper_cli.kernels import NARROW_GRID
+
+    if got[1] not in ("none", str(NARROW_GRID.steps)):
+        raise SystemExit(f"--isa {isa}: fbgemm's int8 GEMM is not held to {isa}")
 
 
 def native_bf16() -> bool:

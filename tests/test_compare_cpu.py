@@ -93,6 +93,7 @@ def test_isa_avx2_holds_each_library_and_builds_the_c_kernels_for_avx2(compare_c
         "ONEDNN_MAX_CPU_ISA": "AVX2",
         "MKL_ENABLE_INSTRUCTIONS": "AVX2",
         "CT2_FORCE_CPU_ISA": "AVX2",
+        "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
     }
     # The wrapper compiles for x86-64-v3 where native.py asks for -march=native (-march=native
     # itself names this CPU's model among its macros), and passes the rest as given.
@@ -104,3 +105,11 @@ def test_isa_avx2_holds_each_library_and_builds_the_c_kernels_for_avx2(compare_c
     compare_cpu.check_isa("avx2", {**os.environ, **env})
     with pytest.raises(SystemExit, match="torch runs DEFAULT"):
         compare_cpu.check_isa("avx2", {**os.environ, **env, "ATEN_CPU_CAPABILITY": "default"})
+    # fbgemm heeds only its own variable: without it, a CPU with VNNI keeps its int8 GEMM
+    # exact on the wide grid, which no AVX2 CPU has, and the run is refused.
+    unheld = {k: v for k, v in {**os.environ, **env}.items() if k != "FBGEMM_ENABLE_INSTRUCTIONS"}
+    if "avx512_vnni" in Path("/proc/cpuinfo").read_text().split():
+        with pytest.raises(SystemExit, match="fbgemm's int8 GEMM is not held to avx2"):
+            compare_cpu.check_isa("avx2", unheld)
+    else:
+        compare_cpu.check_isa("avx2", unheld)

@@ -1771,18 +1771,39 @@ def test_the_activation_grid_is_wide_only_where_the_int8_gemm_sums_exactly():
             assert grid == kernels.WIDE_GRID, name
 
 
-def test_the_probe_finds_a_saturating_int8_gemm():
-    """oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA, in a process of its own) sums u8 x s8 pairs
-    in int16, as a CPU without VNNI does: the probe gives the narrow grid there."""
-    if platform.machine() not in ("x86_64", "AMD64") or "onednn" not in _activation_kernels():
-        pytest.skip("oneDNN's x86 kernels are what this holds to AVX2")
-    code = "from whisper_cli import kernels; print(kernels.activation_grid('onednn').steps)"
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2"}
+# Each library's own variable holding its int8 GEMM to AVX2.
+AVX2_LIMITS = {
+    "onednn": {"ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2"},
+    "fbgemm": {"FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(AVX2_LIMITS))
+def test_the_probe_finds_a_saturating_int8_gemm(name):
+    """oneDNN or fbgemm held to AVX2 (by its own variable, in a process of its own) sums
+    u8 x s8 pairs in int16, as a CPU without VNNI does: the probe gives the narrow grid."""
+    if platform.machine() not in ("x86_64", "AMD64") or name not in _activation_kernels():
+        pytest.skip(f"{name}'s x86 kernels are what this holds to AVX2")
+    code = f"from whisper_cli import kernels; print(kernels.activation_grid({name!r}).steps)"
+    env = {**os.environ, **AVX2_LIMITS[name]}
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(kernels.NARROW_GRID.steps)]
+
+
+def test_the_plan_key_names_each_librarys_limit(monkeypatch):
+    """A plan timed with fbgemm (or oneDNN, MKL) held to AVX2 is kept apart from one timed
+    without: their int8 kernels differ in speed and in grid."""
+    for name in kernels.ISA_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    free = kernels._machine()
+    for name in ("FBGEMM_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        monkeypatch.setenv(name, "AVX2")
+        assert f"|{name}=AVX2|" in kernels._machine() and f"{name}=" not in free
+        monkeypatch.delenv(name)
+    assert kernels._machine() == free
 
 
 def _native_library(where: Path, extra: tuple[str, ...]):

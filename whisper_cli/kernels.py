@@ -1451,9 +1451,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-# The variables by which oneDNN and MKL are held to fewer instructions than the CPU has
-# (their own, documented; torch's own limit, ATEN_CPU_CAPABILITY, shows in its capability).
-ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+# The variables by which oneDNN, MKL and fbgemm are held to fewer instructions than the
+# CPU has (each library's own; torch's own limit, ATEN_CPU_CAPABILITY, shows in its
+# capability). fbgemm reads FBGEMM_ENABLE_INSTRUCTIONS and nothing else: held to AVX2 by
+# it alone, its int8 GEMM sums u8 x s8 pairs in int16 (activation_grid's narrow grid).
+ISA_LIMITS = (
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "FBGEMM_ENABLE_INSTRUCTIONS",
+)
 
 
 @functools.cache
@@ -1465,7 +1472,7 @@ def _cpu_features() -> str:
 def _machine() -> str:
     """What a plan's timings hold for, the key of its entries in the cache file: the CPU (a
     VM may name every generation "Intel(R) Xeon(R) Processor", so its flags' digest too),
-    the instructions torch's, oneDNN's and MKL's kernels are held to, the C kernels' build
+    the instructions torch's, oneDNN's, MKL's and fbgemm's kernels are held to, the C kernels' build
     (a changed source is checked and timed anew) and torch's version. A plan made under
     other instructions would run choices that were neither timed nor checked (each row
     computed alike at every row count) for the kernels this process runs."""
