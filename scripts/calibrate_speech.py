@@ -838,6 +838,10 @@ def cut_evidence(
                 t.run([paths[n] for n in chosen], results.append, print)
             finally:
                 pipeline.judge = real
+            # Results come as their inputs finish (a short reading before a longer one
+            # begun earlier), not in the order given: each is matched by its path.
+            by_path = {result.path: result for result in results}
+            results = [by_path[paths[n]] for n in chosen]
             for n, result in zip(chosen, results, strict=True):
                 ref, hyp = normalised(items[n]["reference"]), normalised(result.text)
                 out = jiwer.process_words(ref, hyp)
