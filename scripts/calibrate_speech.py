@@ -30,6 +30,9 @@ It prints, per question:
   cuts    with the map on, long readings whose windows are cut inside speech: the words
           lost and invented at each slack for a window its end cut off, and the windows
           judged silent (-> cut_end_slack_seconds)
+  draws   with the map on, the long readings and the same texts said twice running: the
+          words lost and invented with each count of attempts that must repeat what was
+          heard before a draw that passes is set aside (-> repeat_min_attempts)
   repeats with the map on, the corpus, speech that repeats itself (a sentence said four
           times, short words three times running, a word list with every word twice)
           and the non-speech: in windows where every temperature failed, the reference
@@ -37,7 +40,7 @@ It prints, per question:
           faster-whisper's rule (-> judge.repeats_speech)
 
     python scripts/calibrate_speech.py [--model models/tiny.en] [--model models/base]
-        [--only detector|level|text|ends|spans|cuts|repeats]
+        [--only detector|level|text|ends|spans|cuts|draws|repeats]
 """
 
 from __future__ import annotations
@@ -795,6 +798,76 @@ def long_readings() -> list[dict]:
     return items
 
 
+def doubled_readings() -> list[dict]:
+    """Every sentence, the paragraph and the word list of a language said twice running
+    (0.2-1.0 s apart), at a normal and a brisk pace, clean and in noise: speech that
+    repeats itself across a window, where a loop and the speech look alike to the gzip
+    ratio."""
+    rng = np.random.default_rng(7)
+    items = []
+    for lang, voices in VOICES.items():
+        texts = [*SENTENCES[lang], PARAGRAPHS[lang], " ".join(WORDS[lang])]
+        for v, voice in enumerate(voices):
+            for speed in (150, 185):
+                pieces, said = [silence(1.0)], []
+                for text in texts:
+                    audio = speak(text, voice, speed)
+                    for _ in range(2):
+                        pieces += [audio, silence(float(rng.uniform(0.2, 1.0)))]
+                        said.append(text)
+                for snr in (None, 10):
+                    items.append(
+                        {
+                            "name": f"{voice} doubled {speed} snr {snr}",
+                            "lang": lang,
+                            "audio": with_noise(np.concatenate(pieces), snr, "white", v + 5),
+                            "reference": " ".join(said),
+                        }
+                    )
+    return items
+
+
+def transcribe_in_order(loaded, paths: list[str], lang: str, policy: Policy) -> list:
+    """The transcripts of `paths` (one language), in the order given: they come as their
+    inputs finish (a short reading before a longer one begun earlier)."""
+    results = []
+    t = pipeline.Transcriber(loaded, TranscribeOptions(language=lang, policy=policy))
+    t.run(paths, results.append, print)
+    by_path = {result.path: result for result in results}
+    return [by_path[path] for path in paths]
+
+
+def draw_evidence(model: str, tmp: Path, minimums: tuple[int, ...] = (1, 2, 3, 99)) -> None:
+    """Words lost and added, against each reading's reference, with each
+    repeat_min_attempts (99: never, faster-whisper's rule: a draw that passes is kept),
+    over the long readings and the doubled ones (map on)."""
+    import jiwer
+
+    items = long_readings() + doubled_readings()
+    loaded = load_model(model, resolve_policy("f32", "cpu"))
+    if not loaded.tokenizer.is_multilingual:
+        items = [i for i in items if i["lang"] == "en"]
+    minutes = sum(len(i["audio"]) for i in items) / RATE / 60
+    print(f"\n## draws ({Path(model).name}, map on; {len(items)} readings, {minutes:.1f} min):")
+    print("   reference words deleted / inserted, by repeat_min_attempts")
+    paths = []
+    for n, item in enumerate(items):
+        paths.append(str(tmp / f"draw{n}.wav"))
+        sf.write(paths[-1], item["audio"], RATE, subtype="FLOAT")
+    for minimum in minimums:
+        policy = Policy(repeat_min_attempts=minimum)
+        deleted = inserted = words = 0
+        for lang in sorted({i["lang"] for i in items}):
+            chosen = [n for n, i in enumerate(items) if i["lang"] == lang]
+            results = transcribe_in_order(loaded, [paths[n] for n in chosen], lang, policy)
+            for n, result in zip(chosen, results, strict=True):
+                ref = normalised(items[n]["reference"])
+                out = jiwer.process_words(ref, normalised(result.text))
+                deleted, inserted = deleted + out.deletions, inserted + out.insertions
+                words += len(ref.split())
+        print(f"  at least {minimum}: deleted {deleted}, inserted {inserted} of {words} words")
+
+
 def cut_evidence(
     model: str, tmp: Path, slacks: tuple[float, ...] = (0.5, 0.35, 0.25, 0.15, 0.0)
 ) -> None:
@@ -831,17 +904,11 @@ def cut_evidence(
         notes = []
         for lang in sorted({i["lang"] for i in items}):
             chosen = [n for n, i in enumerate(items) if i["lang"] == lang]
-            t = pipeline.Transcriber(loaded, TranscribeOptions(language=lang, policy=policy))
-            results = []
             pipeline.judge = spy
             try:
-                t.run([paths[n] for n in chosen], results.append, print)
+                results = transcribe_in_order(loaded, [paths[n] for n in chosen], lang, policy)
             finally:
                 pipeline.judge = real
-            # Results come as their inputs finish (a short reading before a longer one
-            # begun earlier), not in the order given: each is matched by its path.
-            by_path = {result.path: result for result in results}
-            results = [by_path[paths[n]] for n in chosen]
             for n, result in zip(chosen, results, strict=True):
                 ref, hyp = normalised(items[n]["reference"]), normalised(result.text)
                 out = jiwer.process_words(ref, hyp)
@@ -873,12 +940,12 @@ def main() -> None:
     parser.add_argument("--model", action="append", default=None)
     parser.add_argument(
         "--only",
-        choices=["detector", "level", "text", "ends", "spans", "cuts", "repeats"],
+        choices=["detector", "level", "text", "ends", "spans", "cuts", "draws", "repeats"],
         default=None,
     )
     args = parser.parse_args()
     detector = load_detector()
-    items = corpus() if args.only != "cuts" else []
+    items = corpus() if args.only not in ("cuts", "draws") else []
     if items:
         print(f"{len(items)} inputs, {sum(len(i['audio']) for i in items) / RATE / 60:.1f} min\n")
     with tempfile.TemporaryDirectory() as tmp:
@@ -897,6 +964,8 @@ def main() -> None:
                 span_evidence(model, items, Path(tmp))
             if args.only in (None, "cuts"):
                 cut_evidence(model, Path(tmp))
+            if args.only in (None, "draws"):
+                draw_evidence(model, Path(tmp))
             if args.only in (None, "repeats"):
                 heard = repeated_readings() + [
                     {"name": name, "lang": "en", "audio": audio, "reference": ""}
