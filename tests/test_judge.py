@@ -224,6 +224,61 @@ def test_speech_that_repeats_itself_beats_a_garbled_draw(tok) -> None:
     assert texts(verdict) == [SENTENCE.strip()] * 5
 
 
+def test_speech_that_repeats_itself_beats_a_draw_that_leaves_it_out(tok) -> None:
+    """The confident attempts fail on their gzip ratio alone; the last draw passes by
+    saying the sentence once, dated over all of the speech that held five: the words it
+    left out were said (tiny.en, bf16 + int8 held to AVX2, lost 37 words so)."""
+    confident = row(tok, [(a, b, SENTENCE, -0.1) for a, b in SAID])
+    draw = row(tok, [(0.2, 24.8, SENTENCE, -0.55)])
+    attempts = [confident] * (len(POLICY.temperatures) - 1) + [draw]
+    texts_ = [SENTENCE.strip() * 5] * (len(attempts) - 1) + [SENTENCE.strip()]
+    assert not needs_fallback(draw, texts_[-1], POLICY)
+    w = window(SAID, seconds=25.0)
+    assert best(w, attempts, texts_, POLICY, tok.special.timestamp_begin) is confident
+    verdict = judge(w, attempts, POLICY, tok)
+    assert verdict.final and texts(verdict) == [SENTENCE.strip()] * 5
+
+
+def test_a_loop_gone_at_the_first_draw_is_not_taken_for_speech(tok) -> None:
+    """One confident attempt that repeats over speech, then a draw that passes: the
+    repetition did not survive sampling, so the draw is kept (tiny.en bf16 + int8 wrote
+    "the web-a-turned code" once more than said at T=0, and the words at T=0.2); two
+    attempts that repeated stand against it, and so does one where the policy asks one."""
+    repeats = row(tok, [(a, b, SENTENCE, -0.1) for a, b in SAID])
+    draw = row(tok, [(0.2, 9.8, SENTENCE * 2, -0.5)])
+    texts_ = [SENTENCE.strip() * 5, SENTENCE.strip() * 2]
+    w, ts = window(SAID, seconds=25.0), tok.special.timestamp_begin
+    assert best(w, [repeats, draw], texts_, POLICY, ts) is draw
+    assert best(w, [repeats, repeats, draw], [texts_[0], *texts_], POLICY, ts) is repeats
+    once = replace(POLICY, repeat_min_attempts=1)
+    assert best(w, [repeats, draw], texts_, once, ts) is repeats
+    with pytest.raises(ValueError, match="repeat_min_attempts"):
+        replace(POLICY, repeat_min_attempts=0)
+
+
+@pytest.mark.parametrize(
+    ("heard", "repeats_logprob"),
+    [
+        pytest.param(SAID[:2], -0.1, id="a loop over non-speech"),
+        pytest.param([], -0.1, id="no speech at all"),
+        pytest.param(SAID, -1.5, id="unsure repeats"),
+        pytest.param(SAID, -0.6, id="repeats less likely than the draw"),
+    ],
+)
+def test_a_draw_that_passes_is_kept_where_no_repeat_is_better_evidence(
+    tok, heard, repeats_logprob
+) -> None:
+    """Nothing invented: the repeats are kept over a draw that passed only where they are
+    confident, every one of them lies over speech, and they are the likelier."""
+    repeats = row(tok, [(a, b, SENTENCE, repeats_logprob) for a, b in SAID])
+    draw = row(tok, [(0.2, 9.8, SENTENCE * 2, -0.5)])
+    attempts = [repeats] * (len(POLICY.temperatures) - 1) + [draw]
+    texts_ = [SENTENCE.strip() * 5] * (len(attempts) - 1) + [SENTENCE.strip() * 2]
+    assert not needs_fallback(draw, texts_[-1], POLICY)
+    w = window(heard, seconds=25.0)
+    assert best(w, attempts, texts_, POLICY, tok.special.timestamp_begin) is draw
+
+
 @pytest.mark.parametrize(
     "heard",
     [

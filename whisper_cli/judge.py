@@ -74,9 +74,11 @@ def best(
     policy: Policy,
     timestamp_begin: int,
 ) -> DecodedRow:
-    """The last attempt if it passed; else the best average log-prob among the attempts
-    that repeat what was heard (see `repeats_speech`), or else, as faster-whisper, among
-    those that are not too repetitive (or among all, if none is).
+    """The last attempt where it passed, unless policy.repeat_min_attempts attempts or more
+    repeat what was heard (see `repeats_speech`): then the best average log-prob among
+    them and it. Where every attempt failed, the best among those that repeat what was
+    heard, or else, as faster-whisper, among those that are not too repetitive (or among
+    all, if none is).
 
     When every attempt fails, each has failed one way: a confident one by repeating itself
     (sampling until the repeats give way is what fallback is for), the others by being
@@ -86,11 +88,25 @@ def best(
     "asked which you can do", "is poucia keep i couldator ...") over five confident
     attempts (-0.16 to -0.42) that agreed on the words. A confident repetitive attempt
     every piece of which lies over speech is the better evidence of what was said.
+
+    So it is where the last draw passes, too: a draw is less likely by construction, and
+    one way to stop repeating is to leave out what was said twice. tiny.en in bf16 with
+    int8 weights held to AVX2 (compare_cpu's 10 min, a window of 20.7 s of speech that
+    says two sentences twice) wrote all 71 words at T=0 to 0.8 (avg log-prob -0.22 to
+    -0.42, each failing on its gzip ratio alone), and at T=1.0 passed with 34 (-0.55): its
+    first 13 dated over the 22.5 s that held 37 more, which were lost. A loop is gone at
+    the first draw, so repeats stand against a draw that passes only where
+    policy.repeat_min_attempts attempts or more repeated.
     """
     last = attempts[-1]
-    if len(attempts) == 1 or not needs_fallback(last, texts[-1], policy):
+    if len(attempts) == 1:
         return last
     heard = [a for a in attempts if repeats_speech(window, a, policy, timestamp_begin)]
+    if not needs_fallback(last, texts[-1], policy):
+        repeated = [a for a in heard if a is not last]
+        if len(repeated) < policy.repeat_min_attempts:
+            return last
+        return max([*repeated, last], key=lambda a: a.avg_logprob)
     fine = [
         a
         for a, text in zip(attempts, texts, strict=True)

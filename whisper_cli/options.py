@@ -220,6 +220,18 @@ class Policy:
     # pause ("no. | No,") is as likely said twice, and a window's last word is the one
     # word timing places least well (it runs into the window's end).
     echo_min_words: int = 2
+    # A window whose attempts repeat what was heard (judge.repeats_speech: confident, ended
+    # by themselves, speech under every piece) and fail on their gzip ratio alone, until a
+    # later draw passes: the draw is kept unless at least this many attempts repeated so
+    # (judge.best). Speech that repeats itself repeats at every temperature until a draw
+    # leaves part of it out; a loop is gone at the first draw. Measured
+    # (/tmp/s61/best_cal.py: calibrate_speech's long readings and the same texts said
+    # twice running, clean and at 10 dB SNR; tiny.en f32 and bf16 + int8, base f32): every
+    # draw that had left words out came after two or more such attempts (base's 60 words
+    # kept against 21 and 30; tiny.en's 71 against 34 in compare_cpu's 10 min, held to
+    # AVX2), and the one greedy attempt that looped over speech ("the web-a-turned code"
+    # once more than said, tiny.en bf16 + int8) was followed by a draw that passed.
+    repeat_min_attempts: int = 2
     # Temperatures tried in turn on a window that fails the checks above (or loops).
     temperatures: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
     seed: int = 0  # sampling at temperature > 0 is seeded: the same run gives the same text
@@ -262,6 +274,8 @@ class Policy:
                 raise ValueError(f"{name} must be >= 0")
         if self.echo_min_words < 1:
             raise ValueError("echo_min_words must be >= 1")
+        if self.repeat_min_attempts < 1:
+            raise ValueError("repeat_min_attempts must be >= 1")
         if self.quiet_drop_db is not None and self.quiet_drop_db <= 0:
             raise ValueError("quiet_drop_db must be > 0 (or None)")
 
