@@ -94,9 +94,9 @@ def best(
     int8 weights held to AVX2 (compare_cpu's 10 min, a window of 20.7 s of speech that
     says two sentences twice) wrote all 71 words at T=0 to 0.8 (avg log-prob -0.22 to
     -0.42, each failing on its gzip ratio alone), and at T=1.0 passed with 34 (-0.55): its
-    first 13 dated over the 22.5 s that held 37 more, which were lost. A loop is gone at
-    the first draw, so repeats stand against a draw that passes only where
-    policy.repeat_min_attempts attempts or more repeated.
+    first 13 dated over the 22.5 s that held 37 more, which were lost. (How many attempts
+    must repeat before a draw is set aside: policy.repeat_min_attempts, with its
+    measurements.)
     """
     last = attempts[-1]
     if len(attempts) == 1:

@@ -222,16 +222,19 @@ class Policy:
     echo_min_words: int = 2
     # A window whose attempts repeat what was heard (judge.repeats_speech: confident, ended
     # by themselves, speech under every piece) and fail on their gzip ratio alone, until a
-    # later draw passes: the draw is kept unless at least this many attempts repeated so
-    # (judge.best). Speech that repeats itself repeats at every temperature until a draw
-    # leaves part of it out; a loop is gone at the first draw. Measured
-    # (/tmp/s61/best_cal.py: calibrate_speech's long readings and the same texts said
-    # twice running, clean and at 10 dB SNR; tiny.en f32 and bf16 + int8, base f32): every
-    # draw that had left words out came after two or more such attempts (base's 60 words
-    # kept against 21 and 30; tiny.en's 71 against 34 in compare_cpu's 10 min, held to
-    # AVX2), and the one greedy attempt that looped over speech ("the web-a-turned code"
-    # once more than said, tiny.en bf16 + int8) was followed by a draw that passed.
-    repeat_min_attempts: int = 2
+    # later draw passes: where at least this many attempts repeated so, the draw stands
+    # against them on its log-prob (judge.best) instead of being kept outright. Speech
+    # that repeats itself repeats at every temperature until a draw leaves part of it out:
+    # tiny.en in bf16 + int8 held to AVX2 kept a T=1.0 draw that left 37 of a window's 71
+    # words out (compare_cpu's 10 min). scripts/calibrate_speech.py --only draws (the long
+    # readings and the same texts said twice running, clean and at 10 dB SNR, map on),
+    # reference words deleted / inserted at 1, 2, 3 and never (faster-whisper's rule):
+    # base f32 295 / 426, 308 / 425, 346 / 421, 362 / 421 of 7824; tiny.en f32 26 / 132,
+    # then 26 / 135 at every other. tiny.en bf16 + int8 (natively, /tmp/s61 runs of the
+    # same readings) 30 / 140 at 1 against 31 / 137 never: the one attempt that looped
+    # over speech ("the web-a-turned code" once more than said, then the words at T=0.2)
+    # cost 9 words invented. So 1: the fewest words lost, and as few invented.
+    repeat_min_attempts: int = 1
     # Temperatures tried in turn on a window that fails the checks above (or loops).
     temperatures: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
     seed: int = 0  # sampling at temperature > 0 is seeded: the same run gives the same text
