@@ -837,6 +837,25 @@ def transcribe_in_order(loaded, paths: list[str], lang: str, policy: Policy) -> 
     return [by_path[path] for path in paths]
 
 
+def readings_on_disk(
+    model: str, items: list[dict], tmp: Path, question: str, by: str
+) -> tuple[object, list[dict], list[str]]:
+    """The model loaded (f32), the readings it can transcribe (English alone for an .en
+    model) written under `tmp`, and the heading of `question`'s table, by `by`."""
+    loaded = load_model(model, resolve_policy("f32", "cpu"))
+    if not loaded.tokenizer.is_multilingual:
+        items = [i for i in items if i["lang"] == "en"]
+    minutes = sum(len(i["audio"]) for i in items) / RATE / 60
+    name = Path(model).name
+    print(f"\n## {question} ({name}, map on; {len(items)} readings, {minutes:.1f} min):")
+    print(f"   reference words deleted / inserted, by {by}")
+    paths = []
+    for n, item in enumerate(items):
+        paths.append(str(tmp / f"{question}{n}.wav"))
+        sf.write(paths[-1], item["audio"], RATE, subtype="FLOAT")
+    return loaded, items, paths
+
+
 def draw_evidence(model: str, tmp: Path, minimums: tuple[int, ...] = (1, 2, 3, 99)) -> None:
     """Words lost and added, against each reading's reference, with each
     repeat_min_attempts (99: never, faster-whisper's rule: a draw that passes is kept),
@@ -844,16 +863,7 @@ def draw_evidence(model: str, tmp: Path, minimums: tuple[int, ...] = (1, 2, 3, 9
     import jiwer
 
     items = long_readings() + doubled_readings()
-    loaded = load_model(model, resolve_policy("f32", "cpu"))
-    if not loaded.tokenizer.is_multilingual:
-        items = [i for i in items if i["lang"] == "en"]
-    minutes = sum(len(i["audio"]) for i in items) / RATE / 60
-    print(f"\n## draws ({Path(model).name}, map on; {len(items)} readings, {minutes:.1f} min):")
-    print("   reference words deleted / inserted, by repeat_min_attempts")
-    paths = []
-    for n, item in enumerate(items):
-        paths.append(str(tmp / f"draw{n}.wav"))
-        sf.write(paths[-1], item["audio"], RATE, subtype="FLOAT")
+    loaded, items, paths = readings_on_disk(model, items, tmp, "draws", "repeat_min_attempts")
     for minimum in minimums:
         policy = Policy(repeat_min_attempts=minimum)
         deleted = inserted = words = 0
@@ -876,16 +886,7 @@ def cut_evidence(
     import jiwer
 
     items = long_readings()
-    loaded = load_model(model, resolve_policy("f32", "cpu"))
-    if not loaded.tokenizer.is_multilingual:
-        items = [i for i in items if i["lang"] == "en"]
-    minutes = sum(len(i["audio"]) for i in items) / RATE / 60
-    print(f"\n## cuts ({Path(model).name}, map on; {len(items)} readings, {minutes:.1f} min):")
-    print("   reference words deleted / inserted, by cut_end_slack_seconds")
-    paths = []
-    for n, item in enumerate(items):
-        paths.append(str(tmp / f"reading{n}.wav"))
-        sf.write(paths[-1], item["audio"], RATE, subtype="FLOAT")
+    loaded, items, paths = readings_on_disk(model, items, tmp, "cuts", "cut_end_slack_seconds")
     real = pipeline.judge
     cut_off: set[tuple[int, int]] = set()
     silent: list[str] = []  # windows judged silent: with the map on, each holds speech
