@@ -452,13 +452,15 @@ def isa_environment(isa: str, folder: Path) -> dict[str, str]:
     return {**ISA_LIMITS[isa], "CC": str(wrapper)}
 
 
-# What a child reports of the kernels it runs: torch's capability, and the grid of
-# fbgemm's int8 GEMM (the narrow one where it sums pairs in int16, as AVX2 does).
+# What a child reports of the kernels it runs: torch's capability, and whether fbgemm's
+# int8 GEMM takes the narrow grid (it sums pairs in int16, as AVX2 does).
 ISA_PROBE = """import torch
 from whisper_cli import kernels
 print(torch.backends.cpu.get_cpu_capability())
-fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
-print(kernels.activation_grid("fbgemm").steps if fbgemm else "none")
+if "fbgemm" not in torch.backends.quantized.supported_engines:
+    print("none")
+else:
+    print("narrow" if kernels.activation_grid("fbgemm") == kernels.NARROW_GRID else "wide")
 """
 
 
@@ -471,9 +473,7 @@ def check_isa(isa: str, env: dict[str, str]) -> None:
     got = done.stdout.split()
     if len(got) != 2 or got[0].lower() != isa:
         raise SystemExit(f"--isa {isa}: torch runs {done.stdout.strip() or done.stderr[-300:]}")
-    from whisper_cli.kernels import NARROW_GRID
-
-    if got[1] not in ("none", str(NARROW_GRID.steps)):
+    if got[1] == "wide":
         raise SystemExit(f"--isa {isa}: fbgemm's int8 GEMM is not held to {isa}")
 
 
