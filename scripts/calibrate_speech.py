@@ -40,7 +40,12 @@ It prints, per question:
           faster-whisper's rule (-> judge.repeats_speech)
 
     python scripts/calibrate_speech.py [--model models/tiny.en] [--model models/base]
+        [--dtype f32|bf16|f16] [--quantize none|int8]
         [--only detector|level|text|ends|spans|cuts|draws|repeats]
+
+The decoding questions run each model in --dtype (default f32) with --quantize (default
+none), on the CPU: a threshold that drops text is then checked in the mode a user runs
+(int8 weights, a bf16 run) as well as in f32.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import argparse
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +74,25 @@ from whisper_cli.windows import speech_stream  # noqa: E402
 
 RATE = SAMPLE_RATE
 DEMO = REPO / ".cache" / "demo"
+
+
+@dataclass(frozen=True)
+class ModelRun:
+    """A model as the decoding questions run it: its directory, dtype and quantization."""
+
+    path: str
+    dtype: str = "f32"
+    quantize: str = "none"
+
+    @property
+    def label(self) -> str:
+        """Its name and mode, as each question's heading gives them: "tiny.en f32 + int8"."""
+        mode = self.dtype if self.quantize == "none" else f"{self.dtype} + {self.quantize}"
+        return f"{Path(self.path).name} {mode}"
+
+    def load(self):
+        return load_model(self.path, resolve_policy(self.dtype, "cpu", self.quantize))
+
 
 _WORD_LISTS = {
     "en": "apple river seven yellow window garden pencil thunder basket morning",
@@ -485,9 +510,9 @@ def words_of(text: str) -> set[str]:
     return set(normalised(text).split())
 
 
-def decoded(model: str, items: list[dict], policy: Policy, vad: bool, tmp: Path) -> list[tuple]:
+def decoded(run: ModelRun, items: list[dict], policy: Policy, vad: bool, tmp: Path) -> list[tuple]:
     """(item, window, judgement) of every final verdict, through the real pipeline."""
-    loaded = load_model(model, resolve_policy("f32", "cpu"))
+    loaded = run.load()
     english_only = not loaded.tokenizer.is_multilingual
     chosen = [i for i in items if not (english_only and i["lang"] != "en")]
     paths = []
@@ -512,12 +537,12 @@ def decoded(model: str, items: list[dict], policy: Policy, vad: bool, tmp: Path)
     return seen
 
 
-def text_evidence(model: str, items: list[dict], tmp: Path) -> None:
+def text_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
     # Nothing dropped by the map, so that every segment's evidence is seen.
     policy = Policy(text_min_speech_seconds=0.0)
-    print(f"\n## text ({Path(model).name}, map on): speech under each segment")
+    print(f"\n## text ({run.label}, map on): speech under each segment")
     rows = []
-    for item, window, verdict in decoded(model, items, policy, True, tmp):
+    for item, window, verdict in decoded(run, items, policy, True, tmp):
         known = words_of(item["reference"])
         for s in verdict.segments:
             a, b = s.start - window.start, s.end - window.start
@@ -585,7 +610,7 @@ def repeated_readings() -> list[dict]:
     return items
 
 
-def repeat_evidence(model: str, items: list[dict], tmp: Path) -> None:
+def repeat_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
     """Windows where every temperature failed: the attempt kept by judge.best against the
     one faster-whisper's rule keeps (best log-prob among the attempts that are not too
     repetitive), in words of the reference found and words invented."""
@@ -594,7 +619,7 @@ def repeat_evidence(model: str, items: list[dict], tmp: Path) -> None:
     from whisper_cli.judge import needs_fallback, row_text
     from whisper_cli.segments import compression_ratio
 
-    loaded = load_model(model, resolve_policy("f32", "cpu"))
+    loaded = run.load()
     tokenizer, policy = loaded.tokenizer, Policy()
     chosen = [i for i in items if loaded.tokenizer.is_multilingual or i["lang"] == "en"]
     paths = []
@@ -616,7 +641,7 @@ def repeat_evidence(model: str, items: list[dict], tmp: Path) -> None:
         t.run(paths, lambda r: None, print)
     finally:
         pipeline.judge = real
-    print(f"\n## repeats ({Path(model).name}, map on): windows where every attempt failed")
+    print(f"\n## repeats ({run.label}, map on): windows where every attempt failed")
     print("  kept by: judge.best / faster-whisper's rule; reference words found, words invented")
     totals = Counter()
     for item, attempts, verdict in seen:
@@ -657,13 +682,13 @@ def repeat_evidence(model: str, items: list[dict], tmp: Path) -> None:
     )
 
 
-def end_evidence(model: str, items: list[dict], tmp: Path) -> None:
+def end_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
     # Map off and no hold: where does the model end by itself?
     policy = Policy(min_speech_seconds=1e6)
-    print(f"\n## ends ({Path(model).name}, map off, no hold): speech running on after the")
+    print(f"\n## ends ({run.label}, map off, no hold): speech running on after the")
     print("   last timestamp of windows whose words are all there")
     left = []
-    for item, window, verdict in decoded(model, items, policy, False, tmp):
+    for item, window, verdict in decoded(run, items, policy, False, tmp):
         if not verdict.segments:
             continue
         got = words_of(" ".join(s.text for s in verdict.segments))
@@ -685,12 +710,12 @@ def end_evidence(model: str, items: list[dict], tmp: Path) -> None:
         )
 
 
-def span_evidence(model: str, items: list[dict], tmp: Path) -> None:
+def span_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
     """What the no-skip rule may allow, measured with it off; then the words with it on."""
     off = Policy(segment_speech_seconds=1e6, gap_speech_seconds=1e6)
-    print(f"\n## spans ({Path(model).name}, map on, no-skip rule off): speech under segments")
+    print(f"\n## spans ({run.label}, map on, no-skip rule off): speech under segments")
     per_token, gaps, recall = [], [], {}
-    for item, window, verdict in decoded(model, items, off, True, tmp):
+    for item, window, verdict in decoded(run, items, off, True, tmp):
         known = words_of(item["reference"])
         previous_end = None
         for s in verdict.segments:
@@ -713,7 +738,7 @@ def span_evidence(model: str, items: list[dict], tmp: Path) -> None:
         print(f"    {g:.2f} s [{name}]")
     for label, policy in (("off", off), ("on", Policy())):
         found = {}
-        for item, _, verdict in decoded(model, items, policy, True, tmp):
+        for item, _, verdict in decoded(run, items, policy, True, tmp):
             got = found.setdefault(item["name"], set())
             got |= words_of(" ".join(s.text for s in verdict.segments)) & words_of(
                 item["reference"]
@@ -730,7 +755,7 @@ def span_evidence(model: str, items: list[dict], tmp: Path) -> None:
         print(f"    lost {words} [{name}]")
 
 
-def real_onsets(model: str, detector, tmp: Path) -> None:
+def real_onsets(run: ModelRun, detector, tmp: Path) -> None:
     """Detector onset minus the first word's start (word timing, map off) after silence."""
     shared = REPO.parent / "shared" / "audio"
     clips = [load_audio(shared / n) for n in ("jfk.flac", "hotwords.mp3")]
@@ -746,10 +771,10 @@ def real_onsets(model: str, detector, tmp: Path) -> None:
             inputs.append((f"clip {n} {name}", np.concatenate([silence(3.0), audio, silence(1)])))
     if (DEMO / "sample.wav").exists():
         inputs.append(("demo sample", load_audio(DEMO / "sample.wav")))
-    loaded = load_model(model, resolve_policy("f32", "cpu"))
+    loaded = run.load()
     t = pipeline.Transcriber(loaded, TranscribeOptions(vad=False, word_timestamps=True))
     policy = Policy()
-    print(f"\n## onsets of real speech ({Path(model).name} word timing, map off)")
+    print(f"\n## onsets of real speech ({run.label} word timing, map off)")
     lags = []
     for name, audio in inputs:
         path = tmp / "onset.wav"
@@ -838,16 +863,15 @@ def transcribe_in_order(loaded, paths: list[str], lang: str, policy: Policy) -> 
 
 
 def readings_on_disk(
-    model: str, items: list[dict], tmp: Path, question: str, by: str
+    run: ModelRun, items: list[dict], tmp: Path, question: str, by: str
 ) -> tuple[object, list[dict], list[str]]:
-    """The model loaded (f32), the readings it can transcribe (English alone for an .en
-    model) written under `tmp`, and the heading of `question`'s table, by `by`."""
-    loaded = load_model(model, resolve_policy("f32", "cpu"))
+    """The model loaded (in the run's mode), the readings it can transcribe (English alone
+    for an .en model) written under `tmp`, and the heading of `question`'s table, by `by`."""
+    loaded = run.load()
     if not loaded.tokenizer.is_multilingual:
         items = [i for i in items if i["lang"] == "en"]
     minutes = sum(len(i["audio"]) for i in items) / RATE / 60
-    name = Path(model).name
-    print(f"\n## {question} ({name}, map on; {len(items)} readings, {minutes:.1f} min):")
+    print(f"\n## {question} ({run.label}, map on; {len(items)} readings, {minutes:.1f} min):")
     print(f"   reference words deleted / inserted, by {by}")
     paths = []
     for n, item in enumerate(items):
@@ -856,14 +880,14 @@ def readings_on_disk(
     return loaded, items, paths
 
 
-def draw_evidence(model: str, tmp: Path, minimums: tuple[int, ...] = (1, 2, 3, 99)) -> None:
+def draw_evidence(run: ModelRun, tmp: Path, minimums: tuple[int, ...] = (1, 2, 3, 99)) -> None:
     """Words lost and added, against each reading's reference, with each
     repeat_min_attempts (99: never, faster-whisper's rule: a draw that passes is kept),
     over the long readings and the doubled ones (map on)."""
     import jiwer
 
     items = long_readings() + doubled_readings()
-    loaded, items, paths = readings_on_disk(model, items, tmp, "draws", "repeat_min_attempts")
+    loaded, items, paths = readings_on_disk(run, items, tmp, "draws", "repeat_min_attempts")
     for minimum in minimums:
         policy = Policy(repeat_min_attempts=minimum)
         deleted = inserted = words = 0
@@ -879,14 +903,14 @@ def draw_evidence(model: str, tmp: Path, minimums: tuple[int, ...] = (1, 2, 3, 9
 
 
 def cut_evidence(
-    model: str, tmp: Path, slacks: tuple[float, ...] = (0.5, 0.35, 0.25, 0.15, 0.0)
+    run: ModelRun, tmp: Path, slacks: tuple[float, ...] = (0.5, 0.35, 0.25, 0.15, 0.0)
 ) -> None:
     """Words lost and added, against each reading's reference, with each slack for a
     window whose last stretch its end cut off (map on)."""
     import jiwer
 
     items = long_readings()
-    loaded, items, paths = readings_on_disk(model, items, tmp, "cuts", "cut_end_slack_seconds")
+    loaded, items, paths = readings_on_disk(run, items, tmp, "cuts", "cut_end_slack_seconds")
     real = pipeline.judge
     cut_off: set[tuple[int, int]] = set()
     silent: list[str] = []  # windows judged silent: with the map on, each holds speech
@@ -939,6 +963,8 @@ def cut_evidence(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", default=None)
+    parser.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="f32")
+    parser.add_argument("--quantize", choices=["none", "int8"], default="none")
     parser.add_argument(
         "--only",
         choices=["detector", "level", "text", "ends", "spans", "cuts", "draws", "repeats"],
@@ -952,27 +978,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "detector"):
             onsets_and_short(items, detector, Policy())
-            real_onsets(str(REPO / "models" / "base"), detector, Path(tmp))
+            base = ModelRun(str(REPO / "models" / "base"), args.dtype, args.quantize)
+            real_onsets(base, detector, Path(tmp))
         if args.only in (None, "level"):
             level_evidence(items, detector, Policy())
-        models = args.model or [str(REPO / "models" / "tiny.en")]
-        for model in models if args.only != "level" else []:
+        models = [] if args.only == "level" else args.model or [str(REPO / "models" / "tiny.en")]
+        for run in (ModelRun(m, args.dtype, args.quantize) for m in models):
             if args.only in (None, "text"):
-                text_evidence(model, items, Path(tmp))
+                text_evidence(run, items, Path(tmp))
             if args.only in (None, "ends"):
-                end_evidence(model, items, Path(tmp))
+                end_evidence(run, items, Path(tmp))
             if args.only in (None, "spans"):
-                span_evidence(model, items, Path(tmp))
+                span_evidence(run, items, Path(tmp))
             if args.only in (None, "cuts"):
-                cut_evidence(model, Path(tmp))
+                cut_evidence(run, Path(tmp))
             if args.only in (None, "draws"):
-                draw_evidence(model, Path(tmp))
+                draw_evidence(run, Path(tmp))
             if args.only in (None, "repeats"):
                 heard = repeated_readings() + [
                     {"name": name, "lang": "en", "audio": audio, "reference": ""}
                     for name, audio in non_speech().items()
                 ]
-                repeat_evidence(model, items + heard, Path(tmp))
+                repeat_evidence(run, items + heard, Path(tmp))
 
 
 if __name__ == "__main__":
