@@ -1714,7 +1714,8 @@ def _cpu_flags() -> set[str] | None:
 
 
 def _activation_kernels() -> list[str]:
-    return [n for n in ("fbgemm", "onednn") if n in kernels.int8_candidates(torch.float32)]
+    names = ("fbgemm", "onednn", "dot")
+    return [n for n in names if n in kernels.int8_candidates(torch.float32)]
 
 
 def _grid_worst_case(name: str, grid) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1857,6 +1858,50 @@ def _float_product(dtype):
         out.copy_(kernels.LINEAR["columns"](x, weight, bias, packed))
 
     return run, native.FLOAT_MATMUL, weight.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_dot_product_is_the_same_on_every_vector_path(dtype, vector_builds, monkeypatch):
+    """csrc/dot.c's product ("dot") takes AVX-512 VNNI, AVX2 or plain C by what it is built
+    for: on the narrow grid (where AVX2's pair sums cannot saturate) each path sums the
+    same integers exactly, so each gives the same bytes, and they are the float64
+    product of the quantized rows to the float32 epilogue's rounding (f32) or the one
+    rounding to the dtype (bf16); on rows with a stride of their own, into an output with
+    one (its columns past N untouched), N not a multiple of 16 and K not one of 4, with
+    a bias and without, and 1 to 17 rows (every count a tile of 16 or 4 rows can leave)."""
+    weight, scale, _ = int8_layer(n=83, k=37, seed=21)
+    bias = (torch.randn(83, generator=torch.Generator().manual_seed(24)) * 0.1).to(dtype)
+    wide = torch.randn(17, 40, generator=torch.Generator().manual_seed(22))
+    x = (wide * torch.logspace(-2, 1, 17)[:, None]).to(dtype)[:, :37]  # rows 40 apart
+    grid = kernels.NARROW_GRID
+    q, amax = kernels._quantized_rows(x, grid)
+    exact = (q.double() - grid.zero) @ weight.double().T  # the integer sums
+    results = []
+    for extra, lib in zip(VECTOR_BUILDS, vector_builds, strict=True):
+        called = []
+
+        class Spy:  # the build, noting the calls of its products
+            def __getattr__(self, attr, lib=lib, called=called):
+                called.append(attr)
+                return getattr(lib, attr)
+
+        monkeypatch.setattr(kernels, "_native", Spy)
+        prepared = kernels.int8_form("dot", weight, scale)
+        outs = []
+        for m in range(1, 18):
+            for b in (bias, None):
+                out = torch.full((m, 90), 7.0, dtype=dtype)
+                kernels.INT8_LINEAR["dot"](x[:m], weight, scale, b, prepared, out[:, :83], grid)
+                assert (out[:, 83:] == 7.0).all(), (extra, m)
+                outs.append(out[:, :83])
+                want = exact[:m] * scale.double() * (amax[:m].double() / grid.steps)
+                want = want + (0.0 if b is None else b.double())
+                err = ((out[:, :83].double() - want).norm(dim=-1) / want.norm(dim=-1)).max()
+                assert err <= (1e-6 if dtype == torch.float32 else 4e-3), (extra, m, err)
+        assert called.count(f"{native.INT8_DOT}_{dtype_name(dtype)}") == 34, extra
+        results.append(outs)
+    for extra, outs in zip(VECTOR_BUILDS[1:], results[1:], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(results[0], outs, strict=True)), extra
 
 
 @pytest.mark.parametrize("product", [_int8_product, _float_product], ids=["int8", "float"])

@@ -22,7 +22,7 @@ from whisper_cli.loading import load_model, plan_kernels, run_reach
 from whisper_cli.model import Extent, Linear
 from whisper_cli.options import TranscribeOptions
 
-REL_ERR_ACTIVATIONS = 0.10  # "fbgemm", "onednn" on kernels.NARROW_GRID
+REL_ERR_ACTIVATIONS = 0.10  # "fbgemm", "onednn", "dot" on kernels.NARROW_GRID
 REL_ERR_WIDE = 0.05  # on kernels.WIDE_GRID (measured 0.019-0.027 base, 0.035-0.042 tiny.en)
 REL_ERR_WEIGHT_ONLY = 0.04  # "dequant", "weight-only"
 AGREEMENT = 0.9
@@ -118,7 +118,7 @@ def test_int8_logits_follow_f32_with_every_kernel(model_name, kernels_mode):
         plan = plan_kernels(loaded.model, loaded.policy, reach, mode=name)
         assert set(plan.choices[n] for n in plan.choices if n.startswith("int8-")) == {name}
         bound = REL_ERR_WEIGHT_ONLY
-        if name in ("fbgemm", "onednn"):
+        if name in ("fbgemm", "onednn", "dot"):  # those that quantize the activations
             wide = kernels.activation_grid(name) == kernels.WIDE_GRID
             bound = REL_ERR_WIDE if wide else REL_ERR_ACTIVATIONS
         ours = teacher_forced(loaded, cases)

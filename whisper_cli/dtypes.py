@@ -93,7 +93,10 @@ INT8_EXCEPTIONS: dict[str, str] = {
     "int8 weights": (
         "the weight of every linear layer of the encoder and decoder, and the tied output "
         "projection (a copy of the token embedding, which itself stays in the run dtype for "
-        "the lookup), held as int8 (quantize.Int8Linear.weight), symmetric, per output channel."
+        "the lookup), held as int8 (quantize.Int8Linear.weight), symmetric, per output channel; "
+        "the form its kernel takes (Int8Linear.forms: fbgemm's or oneDNN's packing, "
+        "csrc/matmul.c's columns, csrc/dot.c's quads with the columns' int32 sums) holds the "
+        "same int8 values."
     ),
     "int8 scales": (
         "their per-output-channel scales (quantize.Int8Linear.weight_scale) in float32, each a "

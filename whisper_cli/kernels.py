@@ -341,7 +341,8 @@ def _tiled(q, k, v, mask, causal):
 
 
 FUSED_RANGE = "whisper_cli::fused_attention/S"  # + the call's key count
-MATMUL_RANGE = "whisper_cli::matmul/N"  # + the call's output columns (csrc/matmul.c)
+# + the call's output columns (csrc/matmul.c's products, csrc/dot.c's)
+MATMUL_RANGE = "whisper_cli::matmul/N"
 _NO_RANGE = contextlib.nullcontext()
 
 
@@ -933,12 +934,65 @@ def _int8_widened(x, weight, scale, bias, prepared, out=None):
     return _columns_product(lib, native.INT8_MATMUL, x, packed, n, scales, bias, out)
 
 
+def _dot_prepare(weight: Tensor, scale: Tensor):
+    """csrc/dot.c's form for int8_dot_*: the weight packed by the library's dot_columns()
+    C output columns in quads of k, zero past N and K ((ceil(N / C), ceil(K / 4), C, 4)),
+    its column sums in int32 (the grid's zero taken out of the integer sums) and its
+    scales in float32. None where the library is not built."""
+    lib = _native()
+    if lib is None:
+        return None
+    n, k = weight.shape
+    columns = getattr(lib, native.DOT_COLUMNS)()
+    padded = weight.new_zeros((-(-n // columns) * columns, -(-k // 4) * 4))
+    padded[:n, :k] = weight
+    packed = padded.view(-1, columns, padded.shape[1] // 4, 4).transpose(1, 2).contiguous()
+    return packed, weight.sum(dim=1, dtype=torch.int32), scale.float().contiguous()
+
+
+def _int8_dot(x, weight, scale, bias, prepared, out=None, grid=None):
+    """Rows quantized on `grid` (default: activation_grid's; _quantized_rows) times the
+    int8 weight in one C call (csrc/dot.c, int8_dot_*): integer sums of u8 x s8 products
+    (four a lane: VNNI's vpdpbusd, AVX2's vpmaddubsw), exact, then the weight's scale,
+    the row's maximum and the bias in float32, rounded once to x's dtype. For a decode
+    step's few rows, where fbgemm and oneDNN spend on packing the rows and on dispatch
+    what the product costs, and the widened loop (_int8_widened) does a quarter of the
+    multiply-adds an instruction. Where the library is not built, or x or the bias is not
+    as the C loop reads it, the reference."""
+    lib = _native()
+    n = weight.shape[0]
+    if lib is None or prepared is None or not _columns_take(x, weight, bias):
+        return _int8_dequant(x, weight, scale, bias, out=out)
+    grid = grid or activation_grid("dot")
+    packed, colsum, scales = prepared
+    q, amax = _quantized_rows(x, grid)
+    m, k = q.shape
+    if k % 4:  # the C loop reads rows in quads of bytes: zeros past K
+        q = F.pad(q, (0, -k % 4))
+    direct = out is not None and out.shape == (m, n) and out.dtype == x.dtype
+    direct = direct and out.stride(-1) == 1
+    result = out if direct else x.new_empty((m, n))
+    b = None if bias is None else bias.contiguous()
+    profiled = torch._C._autograd._profiler_enabled()  # named for torch.profiler (_fused)
+    with torch.profiler.record_function(f"{MATMUL_RANGE}{n}") if profiled else _NO_RANGE:
+        getattr(lib, f"{native.INT8_DOT}_{dtype_name(x.dtype)}")(
+            q.data_ptr(), m, k, q.stride(0), packed.data_ptr(), colsum.data_ptr(), n,
+            scales.data_ptr(),
+            amax.data_ptr(), float(grid.steps), grid.zero, None if b is None else b.data_ptr(),
+            result.data_ptr(), result.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
+    if direct:
+        return out
+    return _into(result.view(*x.shape[:-1], n), out)
+
+
 INT8_LINEAR: dict[str, Callable] = {
     "dequant": _int8_dequant,
     "fbgemm": _int8_fbgemm,
     "onednn": _int8_onednn,
     "weight-only": _int8_weight_only,
     "widened": _int8_widened,
+    "dot": _int8_dot,
 }
 # The form of the weight each implementation takes (`prepared`); "dequant" takes none.
 _INT8_PREPARE: dict[str, Callable[[Tensor, Tensor], object]] = {
@@ -946,6 +1000,7 @@ _INT8_PREPARE: dict[str, Callable[[Tensor, Tensor], object]] = {
     "onednn": _onednn_prepare,
     "weight-only": lambda weight, scale: scale.to(torch.bfloat16),  # the scales, in bf16
     "widened": _widened_prepare,
+    "dot": _dot_prepare,
 }
 
 
@@ -967,7 +1022,8 @@ def int8_candidates(dtype: torch.dtype) -> tuple[str, ...]:
     """Implementations timed for an int8 linear layer with `dtype` activations: the
     reference; fbgemm and oneDNN where this torch has them; the weight-only kernel for
     float32 and bfloat16 rows (float16 ones would need the scales in float16), and the
-    C loop over the widened weight for them where the library builds."""
+    C loops over the widened weight and over quantized rows for them where the library
+    builds."""
     names = ["dequant"]
     if "fbgemm" in torch.backends.quantized.supported_engines:
         names.append("fbgemm")
@@ -976,7 +1032,7 @@ def int8_candidates(dtype: torch.dtype) -> tuple[str, ...]:
     if dtype in (torch.float32, torch.bfloat16):
         names.append("weight-only")
         if _native_offered():
-            names.append("widened")
+            names += ["widened", "dot"]
     return tuple(names)
 
 

@@ -47,6 +47,7 @@ SOURCES = {
     # (int8.c), the products the same bytes on each of their vector paths (matmul.c).
     CSRC / "int8.c": (*_COMMON_FLAGS, "-ffp-contract=off"),
     CSRC / "matmul.c": (*_COMMON_FLAGS, "-ffp-contract=off"),
+    CSRC / "dot.c": (*_COMMON_FLAGS, "-ffp-contract=off"),
 }
 HEADERS = (CSRC / "floats.h",)  # included by the sources: part of the library's digest
 LINK_FLAGS = ("-shared", "-fopenmp")
@@ -72,6 +73,13 @@ ROW_DTYPES = ("f32", "bf16")  # the run dtypes int8.c's passes and matmul.c's pr
 INT8_MATMUL = "int8_matmul"
 FLOAT_MATMUL = "float_matmul"
 MATMUL_COLUMNS = "matmul_columns"
+# csrc/dot.c's product of uint8 rows on a grid and an int8 weight packed by DOT_COLUMNS()
+# output columns in quads of k, summed in int32, as int8_dot_<dtype> for each of
+# ROW_DTYPES (the bias's and out's): q, M, K, q's row stride (a multiple of 4, zeros past
+# K), packed, column sums, N, scales, the rows' maxima, the grid's steps (float) and zero
+# (int32), bias or NULL, out, out's row stride, threads.
+INT8_DOT = "int8_dot"
+DOT_COLUMNS = "dot_columns"
 MAX_KEYS = 4096
 # csrc/attention.c's encoder attention: dtype -> the function (q, k, v, out, B, H, T, S,
 # D, their (batch, head, row) strides, scale, threads -> 0, or -1 where its buffers could
@@ -206,8 +214,14 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
             fn.argtypes = [pointers, sizes, sizes, sizes, pointers, sizes, pointers, pointers]
             fn.argtypes += [pointers, sizes, ctypes.c_int]
             fn.restype = None
-    fn = getattr(lib, MATMUL_COLUMNS)
-    fn.argtypes, fn.restype = [], sizes
+        fn = getattr(lib, f"{INT8_DOT}_{dtype}")
+        fn.argtypes = [pointers, sizes, sizes, sizes, pointers, pointers, sizes, pointers]
+        fn.argtypes += [pointers, ctypes.c_float, ctypes.c_int32, pointers, pointers, sizes]
+        fn.argtypes += [ctypes.c_int]
+        fn.restype = None
+    for name in (MATMUL_COLUMNS, DOT_COLUMNS):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = [], sizes
     return lib
 
 
