@@ -1034,7 +1034,7 @@ def forge(path, choices: dict[str, str], dtype=torch.float32) -> None:
             "logits": kernels.logits_candidates(dtype),
             "linear": kernels.upcast_candidates("linear", dtype),
             "conv1d": kernels.upcast_candidates("conv1d", dtype),
-            "int8-linear": kernels.int8_candidates(dtype),
+            "int8-linear": kernels.int8_candidates(dtype, name.split("/")[-1]),
         }[op]
         data[prefix + name] = {"choice": choice, "ms": dict.fromkeys(cands, 1.0)}
     path.write_text(json.dumps({"version": kernels.CACHE_VERSION, "entries": data}))
@@ -1606,6 +1606,8 @@ def test_int8_linear_runs_many_rows_in_tiles(dtype, monkeypatch):
         return run
 
     names = kernels.int8_candidates(dtype)
+    for name in kernels.QUANTIZING & set(names):
+        kernels.activation_grid(name)  # probed once a process, before the calls are counted
     for name in names:
         monkeypatch.setitem(kernels.INT8_LINEAR, name, recording(kernels.INT8_LINEAR[name]))
     plans = {
@@ -1626,7 +1628,7 @@ def test_int8_linear_runs_many_rows_in_tiles(dtype, monkeypatch):
                 for part in kernels.row_tiles(m, kernels.INT8_TILE_ROWS)
             ]
             seen.clear()
-            out = kernels.int8_linear(x, weight, scale, b, plan)
+            out = kernels.int8_linear(x, weight, scale, b, plan, rows="frames")
             assert out.dtype == dtype and out.shape == untiled.shape
             assert torch.equal(out.view(m, -1), torch.cat(tiles)), (name, lead)
             if name == "dequant":
@@ -1948,6 +1950,21 @@ def test_each_columns_product_is_the_same_on_every_vector_path(
         assert all(torch.equal(a, b) for a, b in zip(results[0], outs, strict=True)), extra
 
 
+def test_a_decode_steps_inner_int8_layers_keep_their_activations():
+    """Layers over text tokens are offered no kernel that quantizes their rows (their
+    errors would pass through every later layer); the output projection ("vocab") and the
+    encoder's frames are offered every one, and so is a call whose rows are not named."""
+    for dtype in (torch.float32, torch.bfloat16):
+        every = kernels.int8_candidates(dtype)
+        assert kernels.QUANTIZING & set(every), dtype  # fbgemm or oneDNN in any torch here
+        inner = kernels.int8_candidates(dtype, "tokens")
+        assert "dequant" in inner and not kernels.QUANTIZING & set(inner), dtype
+        assert set(inner) == set(every) - kernels.QUANTIZING
+        for rows in ("vocab", "frames"):
+            assert kernels.int8_candidates(dtype, rows) == every, (dtype, rows)
+    assert kernels.GEMM_ROWS["vocab"] == kernels.GEMM_ROWS["tokens"]
+
+
 def test_int8_choices_are_timed_and_saved_and_the_reference_runs_while_compiling(
     tmp_path, monkeypatch
 ):
@@ -1956,7 +1973,7 @@ def test_int8_choices_are_timed_and_saved_and_the_reference_runs_while_compiling
     saved = entries(tmp_path / "kernels.json")
     (key, entry), *more = saved.items()
     assert not more and key.endswith("int8-linear/bf16/N80xK96/tokens")
-    assert set(entry["ms"]) == set(kernels.int8_candidates(torch.bfloat16))
+    assert set(entry["ms"]) == set(kernels.int8_candidates(torch.bfloat16, "tokens"))
     assert plan.choices == {"int8-linear/bf16/N80xK96/tokens": entry["choice"]}
     x = torch.randn(5, 1, 96).bfloat16()
     out = kernels.int8_linear(x, weight, scale, bias.bfloat16(), plan)

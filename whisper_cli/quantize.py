@@ -30,7 +30,8 @@ EMBEDDING_KEY = "decoder.embed_tokens.weight"
 class Int8Linear(nn.Module):
     """x W^T + b with W = weight (int8, (N, K)) * weight_scale (float32, (N,)) per row,
     computed by kernels.int8_linear as its kernel plan names; x, b and the result in the
-    run dtype. `rows`: what its rows are (model.Linear). `forms`: the form of the weight
+    run dtype. `rows`: what its rows are (model.Linear's; "vocab" for the output projection,
+    kernels.int8_candidates). `forms`: the form of the weight
     the plan's choice for this layer takes (implementation name -> kernels.int8_form), set
     by prepare_forms with the plan."""
 
@@ -90,7 +91,7 @@ def quantize_linears(model: Whisper, state: dict[str, torch.Tensor], policy: Dty
         parent = model.get_submodule(parent_name)
         layer = int8_linear(state[f"{name}.weight"], module.bias, policy, module.rows)
         setattr(parent, attr, layer)
-    model.decoder.proj_out = int8_linear(state[EMBEDDING_KEY], None, policy)
+    model.decoder.proj_out = int8_linear(state[EMBEDDING_KEY], None, policy, rows="vocab")
 
 
 def prepare_forms(
