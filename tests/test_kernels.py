@@ -1846,7 +1846,8 @@ def _int8_product(dtype):
     def run(x, bias, out):
         kernels.INT8_LINEAR["widened"](x, weight, scale, bias, prepared, out)
 
-    return run, native.INT8_MATMUL, weight.double() * scale.double()[:, None]
+    w = weight.double() * scale.double()[:, None]
+    return run, native.INT8_MATMUL, lambda x, bias: F.linear(x.double(), w, bias)
 
 
 def _float_product(dtype):
@@ -1859,66 +1860,44 @@ def _float_product(dtype):
     def run(x, bias, out):
         out.copy_(kernels.LINEAR["columns"](x, weight, bias, packed))
 
-    return run, native.FLOAT_MATMUL, weight.double()
+    return run, native.FLOAT_MATMUL, lambda x, bias: F.linear(x.double(), weight.double(), bias)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_dot_product_is_the_same_on_every_vector_path(dtype, vector_builds, monkeypatch):
-    """csrc/dot.c's product ("dot") takes AVX-512 VNNI, AVX2 or plain C by what it is built
-    for: on the narrow grid (where AVX2's pair sums cannot saturate) each path sums the
-    same integers exactly, so each gives the same bytes, and they are the float64
-    product of the quantized rows to the float32 epilogue's rounding (f32) or the one
-    rounding to the dtype (bf16); on rows with a stride of their own, into an output with
-    one (its columns past N untouched), N not a multiple of 16 and K not one of 4, with
-    a bias and without, and 1 to 17 rows (every count a tile of 16 or 4 rows can leave)."""
-    weight, scale, _ = int8_layer(n=83, k=37, seed=21)
-    bias = (torch.randn(83, generator=torch.Generator().manual_seed(24)) * 0.1).to(dtype)
-    wide = torch.randn(17, 40, generator=torch.Generator().manual_seed(22))
-    x = (wide * torch.logspace(-2, 1, 17)[:, None]).to(dtype)[:, :37]  # rows 40 apart
-    grid = kernels.NARROW_GRID
-    q, amax = kernels._quantized_rows(x, grid)
-    exact = (q.double() - grid.zero) @ weight.double().T  # the integer sums
-    results = []
-    for extra, lib in zip(VECTOR_BUILDS, vector_builds, strict=True):
-        called = []
+def _dot_product(dtype):
+    """csrc/dot.c's product as "dot" calls it on the narrow grid (where AVX2's pair sums
+    cannot saturate, so every path sums the same integers exactly), its product's name,
+    and the float64 product of the rows as that grid quantizes them."""
+    weight, scale, _ = int8_layer(n=83, k=37, seed=21)  # K not a multiple of 4
+    prepared, grid = kernels.int8_form("dot", weight, scale), kernels.NARROW_GRID
 
-        class Spy:  # the build, noting the calls of its products
-            def __getattr__(self, attr, lib=lib, called=called):
-                called.append(attr)
-                return getattr(lib, attr)
+    def run(x, bias, out):
+        kernels.INT8_LINEAR["dot"](x, weight, scale, bias, prepared, out, grid)
 
-        monkeypatch.setattr(kernels, "_native", Spy)
-        prepared = kernels.int8_form("dot", weight, scale)
-        outs = []
-        for m in range(1, 18):
-            for b in (bias, None):
-                out = torch.full((m, 90), 7.0, dtype=dtype)
-                kernels.INT8_LINEAR["dot"](x[:m], weight, scale, b, prepared, out[:, :83], grid)
-                assert (out[:, 83:] == 7.0).all(), (extra, m)
-                outs.append(out[:, :83])
-                want = exact[:m] * scale.double() * (amax[:m].double() / grid.steps)
-                want = want + (0.0 if b is None else b.double())
-                err = ((out[:, :83].double() - want).norm(dim=-1) / want.norm(dim=-1)).max()
-                assert err <= (1e-6 if dtype == torch.float32 else 4e-3), (extra, m, err)
-        assert called.count(f"{native.INT8_DOT}_{dtype_name(dtype)}") == 34, extra
-        results.append(outs)
-    for extra, outs in zip(VECTOR_BUILDS[1:], results[1:], strict=True):
-        assert all(torch.equal(a, b) for a, b in zip(results[0], outs, strict=True)), extra
+    def want(x, bias):
+        q, amax = kernels._quantized_rows(x, grid)
+        exact = (q.double() - grid.zero) @ weight.double().T  # the integer sums
+        out = exact * scale.double() * (amax.double() / grid.steps)
+        return out if bias is None else out + bias
+
+    return run, native.INT8_DOT, want
 
 
-@pytest.mark.parametrize("product", [_int8_product, _float_product], ids=["int8", "float"])
+@pytest.mark.parametrize(
+    "product", [_int8_product, _float_product, _dot_product], ids=["int8", "float", "dot"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_each_columns_product_is_the_same_on_every_vector_path(
     product, dtype, vector_builds, monkeypatch
 ):
-    """csrc/matmul.c's products (int8_matmul_*, float_matmul_*) take AVX-512, AVX2 or
-    plain C by what they are built for: each gives the same bytes (the same multiply-adds
-    in the same order), as close to the float64 product as the float32 sums (f32) or the
-    one rounding to the dtype (bf16) allow; on rows with a stride of their own, into an
+    """csrc/matmul.c's products (int8_matmul_*, float_matmul_*) and csrc/dot.c's
+    (int8_dot_*) take AVX-512 (VNNI for dot), AVX2 or plain C by what they are built for:
+    each gives the same bytes (the same multiply-adds in the same order; dot's exact
+    integer sums), as close to the float64 product as the float32 sums (f32) or the one
+    rounding to the dtype (bf16) allow; on rows with a stride of their own, into an
     output with one (its columns past N untouched, int8), N not a multiple of the
     packing's columns, with a bias and without, and 1 to 17 rows (every count a tile of
-    16 or 6 rows can leave)."""
-    run, name, w = product(dtype)
+    16, 6 or 4 rows can leave)."""
+    run, name, want_of = product(dtype)
     bias = (torch.randn(83, generator=torch.Generator().manual_seed(24)) * 0.1).to(dtype)
     g = torch.Generator().manual_seed(22)
     wide = torch.randn(17, 40, generator=g) * torch.logspace(-2, 1, 17)[:, None]
@@ -1941,10 +1920,11 @@ def test_each_columns_product_is_the_same_on_every_vector_path(
                 run(x[:m], b, out[:, :83])
                 assert (out[:, 83:] == 7.0).all(), (extra, m)
                 outs.append(out[:, :83])
-                want = F.linear(x[:m].double(), w, None if b is None else b.double())
+                want = want_of(x[:m], None if b is None else b.double())
                 err = ((out[:, :83].double() - want).norm(dim=-1) / want.norm(dim=-1)).max()
                 assert err <= (1e-6 if dtype == torch.float32 else 4e-3), (extra, m, err)
-        assert called == [f"{name}_{dtype_name(dtype)}"] * 34, extra
+        products = [c for c in called if c.startswith(name)]  # dot also quantizes rows
+        assert products == [f"{name}_{dtype_name(dtype)}"] * 34, extra
         results.append(outs)
     for extra, outs in zip(VECTOR_BUILDS[1:], results[1:], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(results[0], outs, strict=True)), extra
