@@ -595,20 +595,29 @@ def _columns_product(lib, product: str, x, packed, n, scale, bias, out=None) -> 
         rows = rows.float()
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    m = rows.shape[0]
-    # The C loop writes x's dtype into (m, n) rows of a stride of their own.
-    direct = out is not None and out.shape == (m, n) and out.dtype == x.dtype
-    direct = direct and out.stride(-1) == 1
-    result = out if direct else x.new_empty((m, n))
     b = None if bias is None else bias.contiguous()
-    # Named for torch.profiler, which sees no ctypes call (see _fused).
-    profiled = torch._C._autograd._profiler_enabled()
-    with torch.profiler.record_function(f"{MATMUL_RANGE}{n}") if profiled else _NO_RANGE:
+
+    def run(result: Tensor) -> None:
         getattr(lib, f"{product}_{dtype_name(x.dtype)}")(
-            rows.data_ptr(), m, k, rows.stride(0), packed.data_ptr(), n,
+            rows.data_ptr(), rows.shape[0], k, rows.stride(0), packed.data_ptr(), n,
             None if scale is None else scale.data_ptr(), None if b is None else b.data_ptr(),
             result.data_ptr(), result.stride(0), torch.get_num_threads(),
         )  # fmt: skip
+
+    return _c_rows_out(x, rows.shape[0], n, out, run)
+
+
+def _c_rows_out(x: Tensor, m: int, n: int, out: Tensor | None, run) -> Tensor:
+    """What a C product writes (`run(result)`: x's dtype into (m, n) rows of a stride of
+    their own), in x's dtype: straight into `out` ((M, N)) where it is such rows, else into
+    a new tensor, returned as (..., N) or copied into `out`. The call is named for
+    torch.profiler, which sees no ctypes call (see _fused)."""
+    direct = out is not None and out.shape == (m, n) and out.dtype == x.dtype
+    direct = direct and out.stride(-1) == 1
+    result = out if direct else x.new_empty((m, n))
+    profiled = torch._C._autograd._profiler_enabled()
+    with torch.profiler.record_function(f"{MATMUL_RANGE}{n}") if profiled else _NO_RANGE:
+        run(result)
     if direct:
         return out
     return _into(result.view(*x.shape[:-1], n), out)
@@ -969,21 +978,17 @@ def _int8_dot(x, weight, scale, bias, prepared, out=None, grid=None):
     m, k = q.shape
     if k % 4:  # the C loop reads rows in quads of bytes: zeros past K
         q = F.pad(q, (0, -k % 4))
-    direct = out is not None and out.shape == (m, n) and out.dtype == x.dtype
-    direct = direct and out.stride(-1) == 1
-    result = out if direct else x.new_empty((m, n))
     b = None if bias is None else bias.contiguous()
-    profiled = torch._C._autograd._profiler_enabled()  # named for torch.profiler (_fused)
-    with torch.profiler.record_function(f"{MATMUL_RANGE}{n}") if profiled else _NO_RANGE:
+
+    def run(result: Tensor) -> None:
         getattr(lib, f"{native.INT8_DOT}_{dtype_name(x.dtype)}")(
             q.data_ptr(), m, k, q.stride(0), packed.data_ptr(), colsum.data_ptr(), n,
-            scales.data_ptr(),
-            amax.data_ptr(), float(grid.steps), grid.zero, None if b is None else b.data_ptr(),
-            result.data_ptr(), result.stride(0), torch.get_num_threads(),
+            scales.data_ptr(), amax.data_ptr(), float(grid.steps), grid.zero,
+            None if b is None else b.data_ptr(), result.data_ptr(), result.stride(0),
+            torch.get_num_threads(),
         )  # fmt: skip
-    if direct:
-        return out
-    return _into(result.view(*x.shape[:-1], n), out)
+
+    return _c_rows_out(x, m, n, out, run)
 
 
 INT8_LINEAR: dict[str, Callable] = {
@@ -1123,7 +1128,7 @@ def linear(
     rows: str = "tokens",
 ) -> Tensor:
     """F.linear(x, weight, bias) by the implementation the plan names for a layer of this
-    weight over `rows` ("tokens", "frames" or "vocab", see GEMM_ROWS)."""
+    weight over `rows` ("tokens" or "frames", see GEMM_ROWS)."""
     if plan is None or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     run = LINEAR[plan.choice("linear", x.dtype, *weight.shape, rows)]
