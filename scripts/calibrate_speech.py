@@ -38,10 +38,15 @@ It prints, per question:
           and the non-speech: in windows where every temperature failed, the reference
           words found and the words invented by the attempt judge.best keeps, against
           faster-whisper's rule (-> judge.repeats_speech)
+  tolerance
+          with the map on, the corpus, the repeated, long and doubled readings: the
+          reference words found and the words past the reference's counts with each share
+          of a repeat's words that may differ from what it repeats, and the segments each
+          share drops that word-for-word matching keeps (-> repeat_max_changed_share)
 
     python scripts/calibrate_speech.py [--model models/tiny.en] [--model models/base]
         [--dtype f32|bf16|f16] [--quantize none|int8]
-        [--only detector|level|text|ends|spans|cuts|draws|repeats]
+        [--only detector|level|text|ends|spans|cuts|draws|repeats|tolerance]
 
 The decoding questions run each model in --dtype (default f32) with --quantize (default
 none), on the CPU: a threshold that drops text is then checked in the mode a user runs
@@ -682,6 +687,63 @@ def repeat_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
     )
 
 
+def tolerance_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
+    """What policy.repeat_max_changed_share takes: every window of `items` decoded once
+    (map on), its final attempt judged again at each share (the judge is pure), and per
+    share the reference words found and the words past the reference's counts (invented
+    or repeated once too often), with each segment that a share drops and word-for-word
+    matching (share 0) keeps."""
+    from collections import Counter
+    from dataclasses import replace
+
+    loaded = run.load()
+    chosen = [i for i in items if loaded.tokenizer.is_multilingual or i["lang"] == "en"]
+    paths = []
+    for n, item in enumerate(chosen):
+        paths.append(str(tmp / f"t{n}.wav"))
+        sf.write(paths[-1], item["audio"], RATE, subtype="FLOAT")
+    seen: list[tuple] = []
+    real = pipeline.judge
+
+    def spy(window, attempts, policy, *args, **kwargs):  # pure: watching it is safe
+        verdict = real(window, attempts, policy, *args, **kwargs)
+        if verdict.final:
+            seen.append((window, list(attempts), policy, args, kwargs, verdict))
+        return verdict
+
+    pipeline.judge = spy
+    try:
+        t = pipeline.Transcriber(loaded, TranscribeOptions(policy=Policy()))
+        t.run(paths, lambda r: None, print)
+    finally:
+        pipeline.judge = real
+    minutes = sum(len(i["audio"]) for i in chosen) / RATE / 60
+    print(f"\n## repeat tolerance ({run.label}, map on; {len(chosen)} inputs, {minutes:.1f} min)")
+    print("   per repeat_max_changed_share: reference words found, words past the reference")
+    references = [Counter(normalised(i["reference"]).split()) for i in chosen]
+    for share in (0.0, 0.1, 0.2, 0.3):
+        said = [Counter() for _ in chosen]
+        notes = []
+        for window, attempts, policy, args, kwargs, _ in seen:
+            verdicts = [
+                real(window, attempts, replace(policy, repeat_max_changed_share=s), *args, **kwargs)
+                for s in (0.0, share)
+            ]
+            for segment in verdicts[1].segments:
+                said[window.source].update(normalised(segment.text).split())
+            kept = {(s.start, s.text) for s in verdicts[1].segments}
+            for segment in verdicts[0].segments:
+                if (segment.start, segment.text) not in kept:
+                    name = chosen[window.source]["name"]
+                    notes.append(f"{segment.start:.2f} s {segment.text!r} [{name}]")
+        found = sum(sum((s & r).values()) for s, r in zip(said, references, strict=True))
+        past = sum(sum((s - r).values()) for s, r in zip(said, references, strict=True))
+        total = sum(sum(r.values()) for r in references)
+        print(f"  share {share:.1f}: found {found} of {total}, past the reference {past}")
+        for note in notes:
+            print(f"    dropped beside share 0: {note}")
+
+
 def end_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
     # Map off and no hold: where does the model end by itself?
     policy = Policy(min_speech_seconds=1e6)
@@ -967,7 +1029,17 @@ def main() -> None:
     parser.add_argument("--quantize", choices=["none", "int8"], default="none")
     parser.add_argument(
         "--only",
-        choices=["detector", "level", "text", "ends", "spans", "cuts", "draws", "repeats"],
+        choices=[
+            "detector",
+            "level",
+            "text",
+            "ends",
+            "spans",
+            "cuts",
+            "draws",
+            "repeats",
+            "tolerance",
+        ],
         default=None,
     )
     args = parser.parse_args()
@@ -1000,6 +1072,9 @@ def main() -> None:
                     for name, audio in non_speech().items()
                 ]
                 repeat_evidence(run, items + heard, Path(tmp))
+            if args.only in (None, "tolerance"):
+                heard = repeated_readings() + long_readings() + doubled_readings()
+                tolerance_evidence(run, items + heard, Path(tmp))
 
 
 if __name__ == "__main__":

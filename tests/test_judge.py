@@ -14,7 +14,14 @@ from util import real_tokenizer
 
 from whisper_cli.audio import SAMPLE_RATE
 from whisper_cli.decoding import DecodedRow
-from whisper_cli.judge import best, echoed_words, judge, may_echo, needs_fallback
+from whisper_cli.judge import (
+    best,
+    echoed_words,
+    judge,
+    may_echo,
+    needs_fallback,
+    repeats_too_fast,
+)
 from whisper_cli.options import Policy
 from whisper_cli.results import Segment, Word
 from whisper_cli.speech import FRAME_SECONDS
@@ -343,6 +350,74 @@ def test_a_repeat_of_a_sentence_split_in_two_is_judged_as_one(tok, span) -> None
     assert texts(verdict) == kept and verdict.repetitive == (1 if span < 1 else 0)
     alone = judge(window([(0.0, 11.0)]), [row(tok, said)], POLICY, tok)
     assert texts(alone) == [head.strip(), tail.strip()] and alone.repetitive == 0
+
+
+JFK = (
+    " And so my fellow Americans, ask not what your country can do for you,"
+    " ask what you can do for your country."
+)
+
+
+@pytest.mark.parametrize("span", [0.58, 4.0])
+def test_a_copy_with_a_word_changed_is_still_one_repeat_too_many(tok, span) -> None:
+    """base's third copy of jfk's sentence, in the 0.58 s left of a window (held to AVX2,
+    compare_cpu's 10 min), said "asked not" where the two before said "ask not": one word
+    of 22 changed is the same sentence again, in a twentieth of its time: dropped. Said
+    so in 4 s (over a third of 11 s), it is kept."""
+    sentence, copy = JFK, JFK.replace("ask not", "asked not")
+    pieces = [(0.0, 11.0, sentence, -0.2), (11.0, 11.0 + span, copy, -0.2)]
+    attempts = [row(tok, pieces)] * len(POLICY.temperatures)  # the text compresses: all fail
+    verdict = judge(window([(0.0, 11.0 + span)]), attempts, POLICY, tok)
+    kept = [sentence.strip()] + ([] if span < 1 else [copy.strip()])
+    assert texts(verdict) == kept and verdict.repetitive == (1 if span < 1 else 0)
+    exact = replace(POLICY, repeat_max_changed_share=0.0)
+    assert texts(judge(window([(0.0, 11.0 + span)]), attempts, exact, tok)) == [
+        sentence.strip(),
+        copy.strip(),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("said_again", "repeat"),
+    [
+        pytest.param(JFK, True, id="word for word"),
+        pytest.param(JFK.replace("ask not", "asked not"), True, id="one word changed"),
+        pytest.param(JFK.replace(" so", ""), True, id="one word left out"),
+        pytest.param(JFK.replace("Americans", "good Americans"), True, id="one word added"),
+        pytest.param(
+            JFK.replace("ask not", "asked not").replace("can do for you,", "can do to you,"),
+            True,
+            id="two of 22 changed",
+        ),
+        pytest.param(
+            JFK.replace("ask not", "asked not").replace("can do for you,", "could do to you,"),
+            False,
+            id="three of 22 changed: other words",
+        ),
+        pytest.param(
+            " And so my fellow Americans, ask not what we can do.", False, id="its first half"
+        ),
+    ],
+)
+def test_how_far_a_repeat_may_differ_from_what_it_repeats(said_again, repeat) -> None:
+    """A repeat may differ in policy.repeat_max_changed_share of its words (a tenth,
+    rounded down: 2 of jfk's 22), changed, left out or added; past that, or short of the
+    words it would repeat, it is other words, whatever its time."""
+    earlier = [Segment(0.0, 11.0, JFK)]
+    again = Segment(11.0, 11.58, said_again)
+    assert repeats_too_fast(again, earlier, POLICY, lambda s: s.end - s.start) is repeat
+
+
+@pytest.mark.parametrize("second", [" No, you, no, no.", " No, no, no, yes."])
+def test_under_ten_words_a_repeat_is_word_for_word(second) -> None:
+    """One word changed of four is a tenth's share of none: other words, kept however
+    fast they are said."""
+    earlier = [Segment(0.0, 2.0, " No, no, no, no.")]
+    again = Segment(2.0, 2.3, second)
+    assert not repeats_too_fast(again, earlier, POLICY, lambda s: s.end - s.start)
+    assert repeats_too_fast(
+        Segment(2.0, 2.3, " No, no, no, no."), earlier, POLICY, lambda s: s.end - s.start
+    )
 
 
 def test_the_pause_between_two_segments_is_no_time_spent_saying_them(tok) -> None:

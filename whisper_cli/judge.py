@@ -155,8 +155,11 @@ def repeats_too_fast(
     (one segment, or consecutive ones: the decoder splits a sentence where it likes), in
     a span under policy.repeat_min_span_fraction of the time those segments took to say
     (`took` of each, summed: a pause between them, or inside one's span, is no time spent
-    saying the words)."""
+    saying the words). "The words again" allows policy.repeat_max_changed_share of the
+    segment's words changed, added or left out (a decoder's copy of a sentence is not
+    always word for word: base wrote jfk's "ask not" as "asked not" in its third copy)."""
     words = _words(segment.text)
+    changes = int(policy.repeat_max_changed_share * len(words))
     span = segment.end - segment.start
     for first in range(len(earlier)):
         said: list[str] = []
@@ -164,11 +167,40 @@ def repeats_too_fast(
         for e in earlier[first:]:
             said += _words(e.text)
             seconds += took(e)
-            if len(said) >= len(words):  # more segments only add words
-                if said == words and span < policy.repeat_min_span_fraction * seconds:
-                    return True
+            if len(said) > len(words) + changes:  # more segments only add words
                 break
+            if (
+                len(said) >= len(words) - changes
+                and _within_changes(said, words, changes)
+                and span < policy.repeat_min_span_fraction * seconds
+            ):
+                return True
     return False
+
+
+def _within_changes(a: list[str], b: list[str], limit: int) -> bool:
+    """Whether a becomes b by at most `limit` words changed, added or left out (the
+    edit distance over words, computed in the band |i - j| <= limit it can lie in)."""
+    if abs(len(a) - len(b)) > limit:
+        return False
+    if limit == 0:
+        return a == b
+    over = limit + 1  # any distance past the limit
+    # previous[j]: the distance between a[:i] and b[:j], for j within the band of row i.
+    previous = {j: j for j in range(min(len(b), limit) + 1)}
+    for i in range(1, len(a) + 1):
+        current = {}
+        for j in range(max(0, i - limit), min(len(b), i + limit) + 1):
+            if j == 0:
+                current[j] = i
+                continue
+            current[j] = min(
+                previous.get(j - 1, over) + (a[i - 1] != b[j - 1]),
+                previous.get(j, over) + 1,
+                current.get(j - 1, over) + 1,
+            )
+        previous = current
+    return previous.get(len(b), over) <= limit
 
 
 def _words(text: str) -> list[str]:

@@ -680,8 +680,8 @@ class Transcriber:
                     "repetitive",
                     f"{result.too_repetitive} segment(s) dropped as repetitive (above "
                     f"--compression-ratio-threshold {p.compression_ratio_threshold:g}, or "
-                    f"earlier segments' words again in under {p.repeat_min_span_fraction:.2f} "
-                    "of their time)",
+                    "earlier segments' words (nearly) again in under "
+                    f"{p.repeat_min_span_fraction:.2f} of their time)",
                 )
             )
         return found
