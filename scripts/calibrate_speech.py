@@ -61,6 +61,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import soundfile as sf
@@ -71,11 +72,13 @@ sys.path.insert(0, str(REPO))
 
 from whisper_cli import pipeline  # noqa: E402
 from whisper_cli.audio import SAMPLE_RATE, load_audio  # noqa: E402
+from whisper_cli.decoding import DecodedRow  # noqa: E402
 from whisper_cli.dtypes import resolve_policy  # noqa: E402
+from whisper_cli.judge import Judgement, judge  # noqa: E402
 from whisper_cli.loading import load_model  # noqa: E402
 from whisper_cli.options import Policy, TranscribeOptions  # noqa: E402
 from whisper_cli.speech import FRAME_SAMPLES, FRAME_SECONDS, SpeechStream, load_detector  # noqa: E402
-from whisper_cli.windows import speech_stream  # noqa: E402
+from whisper_cli.windows import Window, speech_stream  # noqa: E402
 
 RATE = SAMPLE_RATE
 DEMO = REPO / ".cache" / "demo"
@@ -515,8 +518,19 @@ def words_of(text: str) -> set[str]:
     return set(normalised(text).split())
 
 
-def decoded(run: ModelRun, items: list[dict], policy: Policy, vad: bool, tmp: Path) -> list[tuple]:
-    """(item, window, judgement) of every final verdict, through the real pipeline."""
+class Judged(NamedTuple):
+    """One final verdict of the real pipeline: the reading, the window, the verdict, and
+    the attempts it was given (the judge is pure: it may be asked again)."""
+
+    item: dict
+    window: Window
+    verdict: Judgement
+    attempts: list[DecodedRow]
+
+
+def decoded(run: ModelRun, items: list[dict], policy: Policy, vad: bool, tmp: Path) -> list[Judged]:
+    """Every final verdict on `items` (English alone for an .en model), through the real
+    pipeline."""
     loaded = run.load()
     english_only = not loaded.tokenizer.is_multilingual
     chosen = [i for i in items if not (english_only and i["lang"] != "en")]
@@ -524,13 +538,13 @@ def decoded(run: ModelRun, items: list[dict], policy: Policy, vad: bool, tmp: Pa
     for n, item in enumerate(chosen):
         paths.append(str(tmp / f"{n}.wav"))
         sf.write(paths[-1], item["audio"], RATE, subtype="FLOAT")
-    seen: list[tuple] = []
+    seen: list[Judged] = []
     real = pipeline.judge
 
     def spy(window, attempts, *args, **kwargs):  # the judge is pure: watching it is safe
         verdict = real(window, attempts, *args, **kwargs)
         if verdict.final:
-            seen.append((chosen[window.source], window, verdict))
+            seen.append(Judged(chosen[window.source], window, verdict, list(attempts)))
         return verdict
 
     pipeline.judge = spy
@@ -547,7 +561,7 @@ def text_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
     policy = Policy(text_min_speech_seconds=0.0)
     print(f"\n## text ({run.label}, map on): speech under each segment")
     rows = []
-    for item, window, verdict in decoded(run, items, policy, True, tmp):
+    for item, window, verdict, _ in decoded(run, items, policy, True, tmp):
         known = words_of(item["reference"])
         for s in verdict.segments:
             a, b = s.start - window.start, s.end - window.start
@@ -624,28 +638,12 @@ def repeat_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
     from whisper_cli.judge import needs_fallback, row_text
     from whisper_cli.segments import compression_ratio
 
-    loaded = run.load()
-    tokenizer, policy = loaded.tokenizer, Policy()
-    chosen = [i for i in items if loaded.tokenizer.is_multilingual or i["lang"] == "en"]
-    paths = []
-    for n, item in enumerate(chosen):
-        paths.append(str(tmp / f"r{n}.wav"))
-        sf.write(paths[-1], item["audio"], RATE, subtype="FLOAT")
-    seen: list[tuple] = []
-    real = pipeline.judge
-
-    def spy(window, attempts, *args, **kwargs):  # the judge is pure: watching it is safe
-        verdict = real(window, attempts, *args, **kwargs)
-        if verdict.final and not verdict.silent:
-            seen.append((chosen[window.source], list(attempts), verdict))
-        return verdict
-
-    pipeline.judge = spy
-    try:
-        t = pipeline.Transcriber(loaded, TranscribeOptions(policy=policy))
-        t.run(paths, lambda r: None, print)
-    finally:
-        pipeline.judge = real
+    tokenizer, policy = run.load().tokenizer, Policy()
+    seen = [
+        (j.item, j.attempts, j.verdict)
+        for j in decoded(run, items, policy, True, tmp)
+        if not j.verdict.silent
+    ]
     print(f"\n## repeats ({run.label}, map on): windows where every attempt failed")
     print("  kept by: judge.best / faster-whisper's rule; reference words found, words invented")
     totals = Counter()
@@ -696,27 +694,10 @@ def tolerance_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
     from collections import Counter
     from dataclasses import replace
 
-    loaded = run.load()
-    chosen = [i for i in items if loaded.tokenizer.is_multilingual or i["lang"] == "en"]
-    paths = []
-    for n, item in enumerate(chosen):
-        paths.append(str(tmp / f"t{n}.wav"))
-        sf.write(paths[-1], item["audio"], RATE, subtype="FLOAT")
-    seen: list[tuple] = []
-    real = pipeline.judge
-
-    def spy(window, attempts, policy, *args, **kwargs):  # pure: watching it is safe
-        verdict = real(window, attempts, policy, *args, **kwargs)
-        if verdict.final:
-            seen.append((window, list(attempts), policy, args, kwargs, verdict))
-        return verdict
-
-    pipeline.judge = spy
-    try:
-        t = pipeline.Transcriber(loaded, TranscribeOptions(policy=Policy()))
-        t.run(paths, lambda r: None, print)
-    finally:
-        pipeline.judge = real
+    tokenizer, policy = run.load().tokenizer, Policy()
+    seen = decoded(run, items, policy, True, tmp)
+    # decoded's readings, in its order (a window's source indexes them)
+    chosen = [i for i in items if tokenizer.is_multilingual or i["lang"] == "en"]
     minutes = sum(len(i["audio"]) for i in chosen) / RATE / 60
     print(f"\n## repeat tolerance ({run.label}, map on; {len(chosen)} inputs, {minutes:.1f} min)")
     print("   per repeat_max_changed_share: reference words found, words past the reference")
@@ -724,9 +705,9 @@ def tolerance_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
     for share in (0.0, 0.1, 0.2, 0.3):
         said = [Counter() for _ in chosen]
         notes = []
-        for window, attempts, policy, args, kwargs, _ in seen:
+        for _, window, _, attempts in seen:
             verdicts = [
-                real(window, attempts, replace(policy, repeat_max_changed_share=s), *args, **kwargs)
+                judge(window, attempts, replace(policy, repeat_max_changed_share=s), tokenizer)
                 for s in (0.0, share)
             ]
             for segment in verdicts[1].segments:
@@ -750,7 +731,7 @@ def end_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
     print(f"\n## ends ({run.label}, map off, no hold): speech running on after the")
     print("   last timestamp of windows whose words are all there")
     left = []
-    for item, window, verdict in decoded(run, items, policy, False, tmp):
+    for item, window, verdict, _ in decoded(run, items, policy, False, tmp):
         if not verdict.segments:
             continue
         got = words_of(" ".join(s.text for s in verdict.segments))
@@ -777,7 +758,7 @@ def span_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
     off = Policy(segment_speech_seconds=1e6, gap_speech_seconds=1e6)
     print(f"\n## spans ({run.label}, map on, no-skip rule off): speech under segments")
     per_token, gaps, recall = [], [], {}
-    for item, window, verdict in decoded(run, items, off, True, tmp):
+    for item, window, verdict, _ in decoded(run, items, off, True, tmp):
         known = words_of(item["reference"])
         previous_end = None
         for s in verdict.segments:
@@ -800,7 +781,7 @@ def span_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
         print(f"    {g:.2f} s [{name}]")
     for label, policy in (("off", off), ("on", Policy())):
         found = {}
-        for item, _, verdict in decoded(run, items, policy, True, tmp):
+        for item, _, verdict, _ in decoded(run, items, policy, True, tmp):
             got = found.setdefault(item["name"], set())
             got |= words_of(" ".join(s.text for s in verdict.segments)) & words_of(
                 item["reference"]
