@@ -225,8 +225,10 @@ class Policy:
     # 10931, 4044 / 4033 / 4023 past (0.1 dropped one garbled French segment, 11 words
     # all past the reading's counts); tiny.en f32 the same at every share (4654 of 5607).
     # With int8 weights held to AVX2: base 6910 / 6910 / 6909 found, 4052 / 4052 / 4045
-    # past (0.2 dropped a German line said twice); tiny.en the same at every share. So a
-    # tenth: no reference word lost in any of the four, where a fifth lost one in two.
+    # past (0.2 dropped a German line said twice); tiny.en the same at every share. bf16 +
+    # int8 natively (Intel Xeon with AMX): both models the same at every share (tiny.en
+    # 4637, base 6822 found). So a tenth: no reference word lost in any of the six, where
+    # a fifth lost one in two.
     repeat_max_changed_share: float = 0.1
     # The same rule across a cut inside speech (judge.echoed_words): the words that end a
     # window's last segment and begin the next window's text are dropped from the first
