@@ -528,12 +528,16 @@ class Judged(NamedTuple):
     attempts: list[DecodedRow]
 
 
+def transcribable(items: list[dict], tokenizer) -> list[dict]:
+    """The readings a model can transcribe, in their order: English alone for an .en
+    model. (A window's source indexes this list in decoded().)"""
+    return [i for i in items if tokenizer.is_multilingual or i["lang"] == "en"]
+
+
 def decoded(run: ModelRun, items: list[dict], policy: Policy, vad: bool, tmp: Path) -> list[Judged]:
-    """Every final verdict on `items` (English alone for an .en model), through the real
-    pipeline."""
+    """Every final verdict on transcribable(items), through the real pipeline."""
     loaded = run.load()
-    english_only = not loaded.tokenizer.is_multilingual
-    chosen = [i for i in items if not (english_only and i["lang"] != "en")]
+    chosen = transcribable(items, loaded.tokenizer)
     paths = []
     for n, item in enumerate(chosen):
         paths.append(str(tmp / f"{n}.wav"))
@@ -696,8 +700,7 @@ def tolerance_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
 
     tokenizer, policy = run.load().tokenizer, Policy()
     seen = decoded(run, items, policy, True, tmp)
-    # decoded's readings, in its order (a window's source indexes them)
-    chosen = [i for i in items if tokenizer.is_multilingual or i["lang"] == "en"]
+    chosen = transcribable(items, tokenizer)
     minutes = sum(len(i["audio"]) for i in chosen) / RATE / 60
     print(f"\n## repeat tolerance ({run.label}, map on; {len(chosen)} inputs, {minutes:.1f} min)")
     print("   per repeat_max_changed_share: reference words found, words past the reference")
@@ -911,8 +914,7 @@ def readings_on_disk(
     """The model loaded (in the run's mode), the readings it can transcribe (English alone
     for an .en model) written under `tmp`, and the heading of `question`'s table, by `by`."""
     loaded = run.load()
-    if not loaded.tokenizer.is_multilingual:
-        items = [i for i in items if i["lang"] == "en"]
+    items = transcribable(items, loaded.tokenizer)
     minutes = sum(len(i["audio"]) for i in items) / RATE / 60
     print(f"\n## {question} ({run.label}, map on; {len(items)} readings, {minutes:.1f} min):")
     print(f"   reference words deleted / inserted, by {by}")
