@@ -1042,11 +1042,11 @@ def int8_candidates(dtype: torch.dtype, rows: str | None = None) -> tuple[str, .
     perturb one product. Measured with "dot" in the decoder's layers too, against
     "widened" there (the rest alike), 10 min of English, Intel Xeon with AMX, WER points:
     natively +0.21, +0.13, 0, +0.07 (tiny.en f32 and bf16, base f32 and bf16, all + int8),
-    held to AVX2 +0.21 and 0 for tiny.en; base held decoded a passage said twice running
-    three times in one arrangement or the other (22 words inserted: f32 with "widened",
-    bf16 with "dot"), a window that flips with any change of kernel (judge.best,
-    repeat_min_attempts). Keeping them costs about 0.45 ms of a 20 ms step (tiny.en held,
-    the plan's timings)."""
+    held to AVX2 +0.21 and 0 for tiny.en. (Held, base wrote a passage said twice running
+    a third time in either arrangement, f32 with "widened" and bf16 with "dot", a word off
+    the speech each time: judge.repeats_too_fast drops both copies since it allows
+    Policy.repeat_max_changed_share.) Keeping them costs about 0.45 ms of a 20 ms step
+    (tiny.en held, the plan's timings)."""
     names = ["dequant"]
     if "fbgemm" in torch.backends.quantized.supported_engines:
         names.append("fbgemm")

@@ -30,10 +30,10 @@ EMBEDDING_KEY = "decoder.embed_tokens.weight"
 class Int8Linear(nn.Module):
     """x W^T + b with W = weight (int8, (N, K)) * weight_scale (float32, (N,)) per row,
     computed by kernels.int8_linear as its kernel plan names; x, b and the result in the
-    run dtype. `rows`: what its rows are (model.Linear's; "vocab" for the output projection,
-    kernels.int8_candidates). `forms`: the form of the weight
-    the plan's choice for this layer takes (implementation name -> kernels.int8_form), set
-    by prepare_forms with the plan."""
+    run dtype. `rows`: what its rows are (model.Linear's; "vocab" for the output
+    projection, kernels.int8_candidates). `forms`: the form of the weight the plan's
+    choice for this layer takes (implementation name -> kernels.int8_form), set by
+    prepare_forms with the plan."""
 
     plan: kernels.KernelPlan | None = None  # None: the dequantizing reference
     kernel_op = "int8-linear"  # its op in a kernel plan
