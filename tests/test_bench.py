@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -192,6 +193,24 @@ def test_a_failing_configuration_is_reported_not_raised(tmp_path: Path) -> None:
     assert report.results == ()
     assert len(report.failures) == 1
     assert "missing-model" in report.failures[0].error
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
+def test_the_child_imports_this_package_whatever_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run from a directory that holds another whisper_cli (another checkout), the child
+    still runs this one: the configuration fails on its missing model, as here."""
+    decoy = tmp_path / "whisper_cli"
+    (decoy / "tools").mkdir(parents=True)
+    (decoy / "__init__.py").write_text('raise SystemExit("the other checkout ran")\n')
+    (decoy / "tools" / "__init__.py").write_text("")
+    audio = tmp_path / "noise.npy"
+    np.save(audio, np.zeros(SAMPLE_RATE, np.float32))
+    monkeypatch.chdir(tmp_path)
+    report = run_bench(BenchConfig(model=str(tmp_path / "missing-model"), audio=str(audio)))
+    assert len(report.failures) == 1
+    assert "missing-model" in report.failures[0].error, report.failures[0].error
 
 
 @pytest.mark.parametrize(("cuda", "expected"), [(True, "turbo"), (False, "base")])

@@ -352,8 +352,11 @@ def _run_child(spec: dict[str, Any], timeout_s: float | None) -> ConfigResult:
     spec_path = Path(spec["result"]).with_suffix(".spec.json")
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ)
-    # The child must import this very package, installed or not.
+    # The child must import this very package, installed or not: first on its path, and
+    # (Python 3.11+) with no working directory put before it, which `-m` does otherwise:
+    # run from a checkout, another checkout's bench would time that checkout's code.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
+    env["PYTHONSAFEPATH"] = "1"
     # A session of its own, so a timeout also ends compile workers the child started.
     proc = subprocess.Popen(
         [sys.executable, "-m", "whisper_cli.tools.bench", "--child", str(spec_path)],
