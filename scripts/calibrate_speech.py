@@ -56,6 +56,7 @@ none), on the CPU: a threshold that drops text is then checked in the mode a use
 from __future__ import annotations
 
 import argparse
+import functools
 import subprocess
 import sys
 import tempfile
@@ -98,7 +99,10 @@ class ModelRun:
         mode = self.dtype if self.quantize == "none" else f"{self.dtype} + {self.quantize}"
         return f"{Path(self.path).name} {mode}"
 
+    @functools.lru_cache(maxsize=1)  # noqa: B019 (one ModelRun lives for the script's run)
     def load(self):
+        """The model, loaded once for every question asked of it in a row (the latest
+        run's alone is kept)."""
         return load_model(self.path, resolve_policy(self.dtype, "cpu", self.quantize))
 
 
