@@ -146,6 +146,37 @@ def test_sparse_words_are_all_transcribed(model, mode, sparse_inputs, transcribe
         assert t.counters.dropped == 0  # no real word's text was taken for non-speech
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny.en", "base"])
+def test_sparse_words_are_all_transcribed_with_int8_weights(
+    model, sparse_inputs, transcriber, monkeypatch, tmp_path
+):
+    """The word lists above with int8 weights (--quantize int8, the map on) and the
+    kernels this CPU's plan chooses, timed here as a user's first run times them (on an
+    AVX2 CPU the encoder's int8 layers quantize their rows on a 7-bit grid; the suite's
+    other int8 runs take the dequantizing reference): every word gets text, none is
+    taken for text over non-speech."""
+    from whisper_cli.dtypes import resolve_policy
+    from whisper_cli.loading import load_model
+
+    monkeypatch.setenv("WHISPER_CLI_KERNELS_CACHE", str(tmp_path / "kernels.json"))
+    monkeypatch.setenv("WHISPER_CLI_KERNELS", "auto")
+    loaded = load_model(str(real_model(model)), resolve_policy("f32", "cpu", "int8"))
+    assert loaded.model.plan.timed
+    reference = clip("jfk.flac")["reference"]
+    t = transcriber(loaded, **({"language": "en"} if model == "base" else {}))
+    results = run_all(t, [path for path, _ in sparse_inputs.values()])
+    for name, (path, spans) in sparse_inputs.items():
+        result = results[path]
+        text = result.text
+        if name.startswith("after"):
+            text = " ".join(s.text for s in result.segments if s.end > spans[0][0] - 0.5)
+        print(f"{model} int8 {name}: {result.text!r}")
+        assert uncovered(result, spans) == [], f"{name}: words with no text over them"
+        assert deletions(reference, text) <= 2, f"{name}: {text!r}"
+    assert t.counters.dropped == 0
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("model", ["tiny_en", "base_model"])
 def test_a_short_word_after_silence_is_transcribed(model, mode, tmp_path, transcriber, request):
