@@ -21,9 +21,11 @@ from whisper_cli.judge import (
     may_echo,
     needs_fallback,
     repeats_too_fast,
+    row_text,
 )
 from whisper_cli.options import Policy
 from whisper_cli.results import Segment, Word
+from whisper_cli.segments import compression_ratio
 from whisper_cli.speech import FRAME_SECONDS
 from whisper_cli.tokenizer import Tokenizer
 from whisper_cli.windows import Window
@@ -261,6 +263,31 @@ def test_how_many_attempts_must_repeat_before_a_draw_is_set_aside(tok) -> None:
     assert best(w, [repeats, repeats, draw], [texts_[0], *texts_], twice, ts) is repeats
     with pytest.raises(ValueError, match="repeat_min_attempts"):
         replace(POLICY, repeat_min_attempts=0)
+
+
+def test_a_repetition_only_a_draw_shows_is_the_draws_own(tok) -> None:
+    """Every attempt failed, the greedy one on its log-prob alone (it repeats nothing): a
+    confident draw that repeats itself over the speech is not taken for speech that
+    repeats, and faster-whisper's rule keeps the likeliest attempt that is not repetitive
+    (base on a word list in noise kept such a draw: "an elite" over and over, 40 words
+    invented). With a greedy attempt that repeats as well, the repeats stand."""
+    unsure = row(tok, [(0.2, 24.8, " Yes, orange, zero, stop, elephant.", -1.3)])
+    looping = row(tok, [(0.2, 9.8, SENTENCE * 3, -0.2)], looped=True)
+    repeats = row(tok, [(a, b, SENTENCE, -0.1) for a, b in SAID])
+    garbled = row(tok, [(0.2, 24.8, " The earth, the oar, lean, air.", -2.5)])
+    attempts = [unsure, looping, looping, repeats, garbled, garbled]
+    texts_ = [row_text(a, tok) for a in attempts]
+    # The greedy attempt fails on its log-prob alone; the draw at T=0.6 on its gzip ratio.
+    assert needs_fallback(unsure, texts_[0], POLICY) and not unsure.looped
+    assert compression_ratio(texts_[0]) <= POLICY.compression_ratio_threshold
+    assert compression_ratio(texts_[3]) > POLICY.compression_ratio_threshold
+    w, ts = window(SAID, seconds=25.0), tok.special.timestamp_begin
+    assert best(w, attempts, texts_, POLICY, ts) is unsure
+    verdict = judge(w, attempts, POLICY, tok)
+    assert verdict.final and texts(verdict) == ["Yes, orange, zero, stop, elephant."]
+    greedy_repeats = [repeats, *attempts[1:]]
+    texts_[0] = texts_[3]
+    assert best(w, greedy_repeats, texts_, POLICY, ts) is repeats
 
 
 @pytest.mark.parametrize(
