@@ -10,6 +10,7 @@ word-error counts below bound the deletions on top of that.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import jiwer
 import numpy as np
@@ -116,6 +117,19 @@ def sparse_inputs(tmp_path_factory) -> dict[str, tuple[str, list]]:
     return inputs
 
 
+def sparse_results(t, sparse_inputs: dict, label: str) -> Iterator[tuple]:
+    """(name, result, word spans, text) of each sparse input through Transcriber `t`, its
+    transcript printed under `label`; text: the words after the lead where it has one."""
+    results = run_all(t, [path for path, _ in sparse_inputs.values()])
+    for name, (path, spans) in sparse_inputs.items():
+        result = results[path]
+        text = result.text
+        if name.startswith("after"):
+            text = " ".join(s.text for s in result.segments if s.end > spans[0][0] - 0.5)
+        print(f"{label} {name}: {result.text!r}")
+        yield name, result, spans, text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("model", ["tiny_en", "base_model"])
@@ -129,13 +143,7 @@ def test_sparse_words_are_all_transcribed(model, mode, sparse_inputs, transcribe
     reference = clip("jfk.flac")["reference"]
     options = {"language": "en"} if model == "base_model" else {}
     t = transcriber(request.getfixturevalue(model), **options, **MODES[mode])
-    results = run_all(t, [path for path, _ in sparse_inputs.values()])
-    for name, (path, spans) in sparse_inputs.items():
-        result = results[path]
-        text = result.text
-        if name.startswith("after"):
-            text = " ".join(s.text for s in result.segments if s.end > spans[0][0] - 0.5)
-        print(f"{model} {mode} {name}: {result.text!r}")
+    for name, result, spans, text in sparse_results(t, sparse_inputs, f"{model} {mode}"):
         missing = uncovered(result, spans)
         if mode == "map on":
             assert missing == [], f"{name}: words with no text over them"
@@ -165,13 +173,7 @@ def test_sparse_words_are_all_transcribed_with_int8_weights(
     assert loaded.model.plan.timed
     reference = clip("jfk.flac")["reference"]
     t = transcriber(loaded, **({"language": "en"} if model == "base" else {}))
-    results = run_all(t, [path for path, _ in sparse_inputs.values()])
-    for name, (path, spans) in sparse_inputs.items():
-        result = results[path]
-        text = result.text
-        if name.startswith("after"):
-            text = " ".join(s.text for s in result.segments if s.end > spans[0][0] - 0.5)
-        print(f"{model} int8 {name}: {result.text!r}")
+    for name, result, spans, text in sparse_results(t, sparse_inputs, f"{model} int8"):
         assert uncovered(result, spans) == [], f"{name}: words with no text over them"
         assert deletions(reference, text) <= 2, f"{name}: {text!r}"
     assert t.counters.dropped == 0
