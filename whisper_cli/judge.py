@@ -57,14 +57,16 @@ def is_silent(row: DecodedRow, text: str, policy: Policy) -> bool:
     return not any(ch.isalnum() for ch in text)
 
 
+def is_repetitive(row: DecodedRow, text: str, policy: Policy) -> bool:
+    """Cut by the repetition guard, or compressing like a loop (its gzip ratio above the
+    policy's)."""
+    return row.looped or compression_ratio(text) > policy.compression_ratio_threshold
+
+
 def needs_fallback(row: DecodedRow, text: str, policy: Policy) -> bool:
     """openai-whisper's rule: too repetitive or too unsure (silence is judged before it,
     on the first attempt: see judge)."""
-    return (
-        row.looped
-        or compression_ratio(text) > policy.compression_ratio_threshold
-        or row.avg_logprob < policy.logprob_threshold
-    )
+    return is_repetitive(row, text, policy) or row.avg_logprob < policy.logprob_threshold
 
 
 def best(
@@ -114,7 +116,7 @@ def best(
     if len(attempts) == 1:
         return last
     heard = []
-    if attempts[0].looped or compression_ratio(texts[0]) > policy.compression_ratio_threshold:
+    if is_repetitive(attempts[0], texts[0], policy):
         heard = [a for a in attempts if repeats_speech(window, a, policy, timestamp_begin)]
     if not needs_fallback(last, texts[-1], policy):
         repeated = [a for a in heard if a is not last]
@@ -122,9 +124,7 @@ def best(
             return last
         return max([*repeated, last], key=lambda a: a.avg_logprob)
     fine = [
-        a
-        for a, text in zip(attempts, texts, strict=True)
-        if not a.looped and compression_ratio(text) <= policy.compression_ratio_threshold
+        a for a, text in zip(attempts, texts, strict=True) if not is_repetitive(a, text, policy)
     ]
     return max(heard or fine or attempts, key=lambda a: a.avg_logprob)
 
