@@ -643,8 +643,7 @@ def repeat_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
     repetitive), in words of the reference found and words invented."""
     from collections import Counter
 
-    from whisper_cli.judge import needs_fallback, row_text
-    from whisper_cli.segments import compression_ratio
+    from whisper_cli.judge import is_repetitive, needs_fallback, row_text
 
     tokenizer, policy = run.load().tokenizer, Policy()
     seen = [
@@ -659,11 +658,7 @@ def repeat_evidence(run: ModelRun, items: list[dict], tmp: Path) -> None:
         texts = [row_text(a, tokenizer) for a in attempts]
         if len(attempts) < 2 or not needs_fallback(attempts[-1], texts[-1], policy):
             continue
-        fine = [
-            a
-            for a, text in zip(attempts, texts, strict=True)
-            if not a.looped and compression_ratio(text) <= policy.compression_ratio_threshold
-        ]
+        fine = [a for a, t in zip(attempts, texts, strict=True) if not is_repetitive(a, t, policy)]
         theirs = max(fine or attempts, key=lambda a: a.avg_logprob)
         reference = Counter(normalised(item["reference"]).split())
         known = set(reference)
