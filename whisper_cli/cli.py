@@ -189,7 +189,7 @@ DeviceOpt = Annotated[
 CompileOpt = Annotated[
     Compile,
     typer.Option(
-        help="torch.compile the decode step: auto = on for CUDA.",
+        help="torch.compile the decode step: auto = on for CUDA (slower on CPU).",
         rich_help_panel=PANEL_PERFORMANCE,
     ),
 ]
