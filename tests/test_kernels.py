@@ -2056,3 +2056,77 @@ def test_a_run_within_the_reach_stays_in_its_plan(monkeypatch):
     prompted = TranscribeOptions(batch_size=2, initial_prompt=" ".join(["Americans"] * 100))
     Transcriber(narrow, prompted).transcribe(str(shared_clip("jfk.flac")))
     assert missed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("quantized", [False, True], ids=["columns", "int8-widened"])
+def test_a_layer_runs_its_bound_product_and_gets_the_general_paths_bytes(
+    dtype, quantized, monkeypatch
+):
+    """A layer whose plan chooses a C column product ("columns", int8 "widened") runs it
+    bound (kernels.BoundProduct): the general path's bytes at 1 to 17 rows, with and
+    without the token axis, the general path never called; rows that are not contiguous,
+    and a plan choosing another implementation, run the general path; a new plan, or an
+    in-place change of the weight, binds again."""
+    from whisper_cli.dtypes import DtypePolicy
+    from whisper_cli.model import Linear
+    from whisper_cli.quantize import int8_linear, prepare_forms
+
+    n, k = 83, 37
+    g = torch.Generator().manual_seed(31)
+    source = torch.randn(n, k, generator=g) * 0.1
+    bias = (torch.randn(n, generator=g) * 0.1).to(dtype)
+    if quantized:
+        layer = int8_linear(source, bias, DtypePolicy(dtype, torch.device("cpu"), "int8"))
+        op, impl, general = "int8-linear", "widened", "int8_linear"
+    else:
+        layer = Linear(k, n).to(dtype)
+        with torch.no_grad():
+            layer.weight.copy_(source.to(dtype))
+            layer.bias.copy_(bias)
+        op, impl, general = "linear", "columns", "linear"
+    real = getattr(kernels, general)
+
+    def use(mode: str) -> kernels.KernelPlan:
+        monkeypatch.setenv("WHISPER_CLI_KERNELS", mode)
+        calls = [call(op, n, k, "tokens", weight=layer.weight)]
+        layer.plan = plan_of(calls, dtype)
+        if quantized:  # the forms of the plan's choice, as a load gives them
+            prepare_forms(torch.nn.Sequential(layer), layer.plan, calls)
+        return layer.plan
+
+    def general_path(x: torch.Tensor) -> torch.Tensor:
+        if quantized:
+            return real(x, layer.weight, layer.weight_scale, layer.bias, layer.plan, layer.forms)
+        return real(x, layer.weight, layer.bias, layer.plan)
+
+    plan = use(impl)
+    assert plan.choices == {f"{op}/{dtype_name(dtype)}/N{n}xK{k}/tokens": impl}
+    xs = torch.randn(17, 1, k, generator=g).to(dtype)
+    want = {m: general_path(xs[:m]) for m in range(1, 18)}
+    called = []
+    monkeypatch.setattr(kernels, general, lambda *a, **kw: called.append(1) or real(*a, **kw))
+    with torch.inference_mode():
+        for m in range(1, 18):
+            out = layer(xs[:m])
+            assert out.dtype == dtype and torch.equal(out, want[m]), m
+            assert torch.equal(layer(xs[:m, 0]), want[m][:, 0]), m
+    assert called == []
+
+    strided = torch.randn(5, 2 * k, generator=g).to(dtype)[:, ::2]
+    assert torch.equal(layer(strided), general_path(strided.contiguous()))
+    assert called == [1]
+
+    use("reference")  # a new plan, choosing the reference: nothing bound
+    assert torch.equal(layer(xs[:4]), general_path(xs[:4]))
+    assert called == [1, 1]
+
+    use(impl)
+    assert torch.equal(layer(xs[:4]), want[4]) and called == [1, 1]
+    with torch.no_grad():  # the weight changed in place: bound to it again
+        layer.weight.mul_(-1)
+    if quantized:  # its forms are the plan's, made again for the new weight
+        use(impl)
+    out = layer(xs[:4])
+    assert called == [1, 1]
+    assert torch.equal(out, general_path(xs[:4])) and not torch.equal(out, want[4])

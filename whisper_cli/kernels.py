@@ -623,6 +623,118 @@ def _c_rows_out(x: Tensor, m: int, n: int, out: Tensor | None, run) -> Tensor:
     return _into(result.view(*x.shape[:-1], n), out)
 
 
+class BoundProduct:
+    """One layer's csrc/matmul.c product ("columns", int8 "widened") with everything but
+    its rows bound once: the library's function for the run dtype, the packed weight, its
+    scales and bias, and their addresses. The same C call on the same arguments as the
+    general path (_columns_product): the same bytes.
+
+    Why: a decode step makes some 30 of these calls (tiny.en), most right after a
+    cross-attention has streamed tens of MB through the CPU's caches, and there the general
+    path's Python (the plan's lookup, the checks, the closures) runs cold: tiny's 384 x 384
+    int8 layer at 13 rows, after a 64 MB read, took 89 us a call against 36 for the bare C
+    call (41 and 26 warm; AMD EPYC Zen 4 held to AVX2, 2 threads)."""
+
+    __slots__ = ("_args", "_fn", "_k", "_kept", "_n", "_widen")
+
+    def __init__(self, fn, dtype: torch.dtype, packed: Tensor, n: int, scale, bias) -> None:
+        k = packed.shape[1]
+        self._fn, self._k, self._n = fn, k, n
+        self._widen = dtype != torch.float32  # the C loop reads float32 rows
+        self._kept = (packed, scale, bias)  # the addresses below stay theirs
+        ptr = [None if t is None else t.data_ptr() for t in (scale, bias)]
+        self._args = (packed.data_ptr(), n, *ptr)
+
+    def __call__(self, x: Tensor) -> Tensor | None:
+        """x (..., K) -> (..., N) in x's dtype; None where x is not contiguous (the caller
+        then runs the general path)."""
+        if not x.is_contiguous():
+            return None
+        k, n = self._k, self._n
+        rows = x.float() if self._widen else x
+        out = x.new_empty((*x.shape[:-1], n))
+        profiled = torch._C._autograd._profiler_enabled()
+        with torch.profiler.record_function(f"{MATMUL_RANGE}{n}") if profiled else _NO_RANGE:
+            self._fn(
+                rows.data_ptr(), x.numel() // k, k, k, *self._args, out.data_ptr(), n,
+                torch.get_num_threads(),
+            )  # fmt: skip
+        return out
+
+
+def bound_linear(
+    plan: KernelPlan | None, dtype: torch.dtype, weight: Tensor, bias: Tensor | None, rows: str
+) -> BoundProduct | None:
+    """The bound "columns" product of a float layer (see linear) with `dtype` rows, where
+    its plan chooses it and the C loop takes the layer as it is; else None."""
+    lib = _native()
+    if plan is None or lib is None or not _bindable(weight, bias, dtype):
+        return None
+    if plan.choice("linear", dtype, *weight.shape, rows) != "columns" or weight.dtype != dtype:
+        return None
+    packed = _derived(weight, "columns", lambda: _columns_form(weight))
+    fn = getattr(lib, f"{native.FLOAT_MATMUL}_{dtype_name(dtype)}")
+    return BoundProduct(fn, dtype, packed, weight.shape[0], None, bias)
+
+
+def bound_int8_linear(
+    plan: KernelPlan | None,
+    dtype: torch.dtype,
+    weight: Tensor,
+    bias: Tensor | None,
+    forms: dict[str, object],
+    rows: str,
+) -> BoundProduct | None:
+    """The bound "widened" product of an int8 layer (see int8_linear) with `dtype` rows, on
+    the form in `forms`, where its plan chooses it and the C loop takes the layer as it
+    is; else None."""
+    lib = _native()
+    if plan is None or lib is None or not _bindable(weight, bias, dtype):
+        return None
+    choice = plan.choice("int8-linear", dtype, *weight.shape, rows)
+    form = forms.get(choice)
+    if choice != "widened" or form is None:
+        return None
+    packed, scales = form
+    fn = getattr(lib, f"{native.INT8_MATMUL}_{dtype_name(dtype)}")
+    return BoundProduct(fn, dtype, packed, weight.shape[0], scales, bias)
+
+
+def _bindable(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> bool:
+    """Whether csrc/matmul.c's loops take rows of `dtype` and the bias as they are (see
+    _columns_take)."""
+    takes = dtype in _NATIVE_DTYPES and weight.device.type == "cpu"
+    return takes and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
+
+
+class Binding:
+    """A layer's BoundProduct (or None), made at its first call and again whenever its plan,
+    its rows' dtype, its forms (quantize.prepare_forms) or its weight's storage or version
+    change (as _derived remakes a form): checked by identity and a few reads a call."""
+
+    __slots__ = ("_key", "_product")
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._product: BoundProduct | None = None
+
+    def get(
+        self,
+        plan: KernelPlan | None,
+        dtype: torch.dtype,
+        forms: object,
+        weight: Tensor,
+        make: Callable[[], BoundProduct | None],
+    ) -> BoundProduct | None:
+        key, held = self._key, (weight.data_ptr(), _version(weight))
+        if key is None or key[0] is not plan or key[1] is not dtype or key[2] is not forms:
+            key = None
+        if key is None or key[3] != held:
+            self._product = make()
+            self._key = (plan, dtype, forms, held)
+        return self._product
+
+
 def _columns_form(weight: Tensor) -> Tensor | None:
     """The float32 weight (a half one's exact values) packed by columns for
     _linear_columns; None where the library is not built."""

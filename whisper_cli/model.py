@@ -222,9 +222,18 @@ class Linear(FromCheckpoint, nn.Linear):
     def __init__(self, *args, rows: str = "tokens", **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rows = rows
+        self.binding = kernels.Binding()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias, self.plan, self.rows)
+        w, b, plan = self.weight, self.bias, self.plan
+        if not torch.compiler.is_compiling():
+            # The plan's C product where it chose one, bound once (kernels.BoundProduct).
+            bind = lambda: kernels.bound_linear(plan, x.dtype, w, b, self.rows)  # noqa: E731
+            product = self.binding.get(plan, x.dtype, None, w, bind)
+            out = None if product is None else product(x)
+            if out is not None:
+                return out
+        return kernels.linear(x, w, b, plan, self.rows)
 
 
 class Conv1d(FromCheckpoint, nn.Conv1d):

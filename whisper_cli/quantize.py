@@ -51,6 +51,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", bias)
         self.forms: dict[str, object] = {}
+        self.binding = kernels.Binding()
 
     @property
     def in_features(self) -> int:
@@ -61,8 +62,15 @@ class Int8Linear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, scale = self.weight, self.weight_scale
-        return kernels.int8_linear(x, w, scale, self.bias, self.plan, self.forms, self.rows)
+        w, b, plan, forms = self.weight, self.bias, self.plan, self.forms
+        if not torch.compiler.is_compiling():
+            # The plan's C product where it chose one, bound once (kernels.BoundProduct).
+            bind = lambda: kernels.bound_int8_linear(plan, x.dtype, w, b, forms, self.rows)  # noqa: E731
+            product = self.binding.get(plan, x.dtype, forms, w, bind)
+            out = None if product is None else product(x)
+            if out is not None:
+                return out
+        return kernels.int8_linear(x, w, self.weight_scale, b, plan, forms, self.rows)
 
 
 def int8_linear(
