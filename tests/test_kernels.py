@@ -2066,8 +2066,9 @@ def test_a_layer_runs_its_bound_product_and_gets_the_general_paths_bytes(
     """A layer whose plan chooses a C column product ("columns", int8 "widened") runs it
     bound (kernels.BoundProduct): the general path's bytes at 1 to 17 rows, with and
     without the token axis, the general path never called; rows that are not contiguous,
-    and a plan choosing another implementation, run the general path; a new plan, or an
-    in-place change of the weight, binds again."""
+    and a plan choosing another implementation, run the general path; a new plan, an
+    in-place change of the weight or another bias tensor binds again; rows of another K
+    get the general path's error."""
     from whisper_cli.dtypes import DtypePolicy
     from whisper_cli.model import Linear
     from whisper_cli.quantize import int8_linear, prepare_forms
@@ -2130,3 +2131,11 @@ def test_a_layer_runs_its_bound_product_and_gets_the_general_paths_bytes(
     out = layer(xs[:4])
     assert called == [1, 1]
     assert torch.equal(out, general_path(xs[:4])) and not torch.equal(out, want[4])
+
+    new_bias = (torch.randn(n, generator=g) * 0.1).to(dtype)  # another bias tensor: bound to it
+    layer.bias = new_bias if quantized else torch.nn.Parameter(new_bias, requires_grad=False)
+    before, out = out, layer(xs[:4])
+    assert called == [1, 1]
+    assert torch.equal(out, general_path(xs[:4])) and not torch.equal(out, before)
+    with pytest.raises(RuntimeError):  # rows of another K: the general path's error
+        layer(torch.randn(2, k + 1).to(dtype))

@@ -646,11 +646,12 @@ class BoundProduct:
         self._args = (packed.data_ptr(), n, *ptr)
 
     def __call__(self, x: Tensor) -> Tensor | None:
-        """x (..., K) -> (..., N) in x's dtype; None where x is not contiguous (the caller
-        then runs the general path)."""
-        if not x.is_contiguous():
-            return None
+        """x (..., K) -> (..., N) in x's dtype; None where the C loop would not read x as
+        it is (not contiguous, not on the CPU, another K): the caller then runs the
+        general path."""
         k, n = self._k, self._n
+        if not (x.is_contiguous() and x.is_cpu and x.shape[-1] == k):
+            return None
         rows = x.float() if self._widen else x
         out = x.new_empty((*x.shape[:-1], n))
         profiled = torch._C._autograd._profiler_enabled()
@@ -709,8 +710,9 @@ def _bindable(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> bool:
 
 class Binding:
     """A layer's BoundProduct (or None), made at its first call and again whenever its plan,
-    its rows' dtype, its forms (quantize.prepare_forms) or its weight's storage or version
-    change (as _derived remakes a form): checked by identity and a few reads a call."""
+    its rows' dtype, its forms (quantize.prepare_forms), its weight's storage or version
+    (as _derived remakes a form) or its bias's storage change: checked by identity and a
+    few reads a call."""
 
     __slots__ = ("_key", "_product")
 
@@ -724,9 +726,11 @@ class Binding:
         dtype: torch.dtype,
         forms: object,
         weight: Tensor,
+        bias: Tensor | None,
         make: Callable[[], BoundProduct | None],
     ) -> BoundProduct | None:
-        key, held = self._key, (weight.data_ptr(), _version(weight))
+        held = (weight.data_ptr(), _version(weight), None if bias is None else bias.data_ptr())
+        key = self._key
         if key is None or key[0] is not plan or key[1] is not dtype or key[2] is not forms:
             key = None
         if key is None or key[3] != held:

@@ -229,7 +229,7 @@ class Linear(FromCheckpoint, nn.Linear):
         if not torch.compiler.is_compiling():
             # The plan's C product where it chose one, bound once (kernels.BoundProduct).
             bind = lambda: kernels.bound_linear(plan, x.dtype, w, b, self.rows)  # noqa: E731
-            product = self.binding.get(plan, x.dtype, None, w, bind)
+            product = self.binding.get(plan, x.dtype, None, w, b, bind)
             out = None if product is None else product(x)
             if out is not None:
                 return out

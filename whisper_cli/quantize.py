@@ -66,7 +66,7 @@ class Int8Linear(nn.Module):
         if not torch.compiler.is_compiling():
             # The plan's C product where it chose one, bound once (kernels.BoundProduct).
             bind = lambda: kernels.bound_int8_linear(plan, x.dtype, w, b, forms, self.rows)  # noqa: E731
-            product = self.binding.get(plan, x.dtype, forms, w, bind)
+            product = self.binding.get(plan, x.dtype, forms, w, b, bind)
             out = None if product is None else product(x)
             if out is not None:
                 return out
