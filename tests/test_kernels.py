@@ -1327,7 +1327,8 @@ def test_the_kernels_a_row_runs_do_not_depend_on_its_batch(
     """Implementations round differently, so a row's text would depend on the rows that
     share its batch if a choice did. Each class's choice drawn at random (timings faked):
     a window's encoder pass, prompt and step run the same implementation call by call alone
-    and beside two other windows, and give that window the same logits, bit for bit."""
+    and beside two other windows (a layer's bound C product counted as one), and give that
+    window the same logits, bit for bit."""
     import random
 
     from whisper_cli.dtypes import resolve_policy
@@ -1355,6 +1356,15 @@ def test_the_kernels_a_row_runs_do_not_depend_on_its_batch(
             monkeypatch.setitem(
                 table, name, lambda *a, n=name, f=real, **k: ran.add((n, site(a))) or f(*a, **k)
             )
+    bound = kernels.BoundProduct.__call__
+
+    def bound_spy(product: kernels.BoundProduct, x: torch.Tensor) -> torch.Tensor | None:
+        out = bound(product, x)  # a layer's bound C product (None: its general path ran)
+        if out is not None:
+            ran.add(("bound", id(product)))
+        return out
+
+    monkeypatch.setattr(kernels.BoundProduct, "__call__", bound_spy)
 
     def step_logits(mel: torch.Tensor) -> tuple[torch.Tensor, set[tuple]]:
         ran.clear()
@@ -2060,31 +2070,35 @@ def test_a_run_within_the_reach_stays_in_its_plan(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("quantized", [False, True], ids=["columns", "int8-widened"])
+@pytest.mark.parametrize("biased", [True, False], ids=["bias", "no-bias"])
 def test_a_layer_runs_its_bound_product_and_gets_the_general_paths_bytes(
-    dtype, quantized, monkeypatch
+    dtype, quantized, biased, monkeypatch
 ):
     """A layer whose plan chooses a C column product ("columns", int8 "widened") runs it
-    bound (kernels.BoundProduct): the general path's bytes at 1 to 17 rows, with and
-    without the token axis, the general path never called; rows that are not contiguous,
-    and a plan choosing another implementation, run the general path; a new plan, an
-    in-place change of the weight or another bias tensor binds again; rows of another K
-    get the general path's error."""
+    bound (kernels.BoundProduct): the general path's bytes at 0 to 17 rows, with and
+    without the token axis and as one (K,) row, the general path never called; rows that
+    are not contiguous, int8 calls of more rows than INT8_TILE_ROWS (tiled there), and a
+    plan choosing another implementation, run the general path; a new plan, an in-place
+    change of the weight or another bias tensor binds again; rows of another K get the
+    general path's error."""
     from whisper_cli.dtypes import DtypePolicy
     from whisper_cli.model import Linear
     from whisper_cli.quantize import int8_linear, prepare_forms
 
+    native_built()
     n, k = 83, 37
     g = torch.Generator().manual_seed(31)
     source = torch.randn(n, k, generator=g) * 0.1
-    bias = (torch.randn(n, generator=g) * 0.1).to(dtype)
+    bias = (torch.randn(n, generator=g) * 0.1).to(dtype) if biased else None
     if quantized:
         layer = int8_linear(source, bias, DtypePolicy(dtype, torch.device("cpu"), "int8"))
         op, impl, general = "int8-linear", "widened", "int8_linear"
     else:
-        layer = Linear(k, n).to(dtype)
+        layer = Linear(k, n, bias=biased).to(dtype)
         with torch.no_grad():
             layer.weight.copy_(source.to(dtype))
-            layer.bias.copy_(bias)
+            if biased:
+                layer.bias.copy_(bias)
         op, impl, general = "linear", "columns", "linear"
     real = getattr(kernels, general)
 
@@ -2104,38 +2118,57 @@ def test_a_layer_runs_its_bound_product_and_gets_the_general_paths_bytes(
     plan = use(impl)
     assert plan.choices == {f"{op}/{dtype_name(dtype)}/N{n}xK{k}/tokens": impl}
     xs = torch.randn(17, 1, k, generator=g).to(dtype)
-    want = {m: general_path(xs[:m]) for m in range(1, 18)}
+    want = {m: general_path(xs[:m]) for m in range(18)}
     called = []
     monkeypatch.setattr(kernels, general, lambda *a, **kw: called.append(1) or real(*a, **kw))
     with torch.inference_mode():
-        for m in range(1, 18):
+        for m in range(18):
             out = layer(xs[:m])
-            assert out.dtype == dtype and torch.equal(out, want[m]), m
-            assert torch.equal(layer(xs[:m, 0]), want[m][:, 0]), m
+            assert out.dtype == dtype and out.shape == (m, 1, n), m
+            assert torch.equal(out, want[m]) and torch.equal(layer(xs[:m, 0]), want[m][:, 0]), m
+        assert torch.equal(layer(xs[0, 0]), want[1][0, 0])
     assert called == []
 
     strided = torch.randn(5, 2 * k, generator=g).to(dtype)[:, ::2]
     assert torch.equal(layer(strided), general_path(strided.contiguous()))
     assert called == [1]
+    tall = torch.randn(kernels.INT8_TILE_ROWS + 1, k, generator=g).to(dtype)
+    assert torch.equal(layer(tall), general_path(tall))
+    assert called == [1, 1] if quantized else called == [1]
+    called.clear()
 
     use("reference")  # a new plan, choosing the reference: nothing bound
     assert torch.equal(layer(xs[:4]), general_path(xs[:4]))
-    assert called == [1, 1]
+    assert called == [1]
 
     use(impl)
-    assert torch.equal(layer(xs[:4]), want[4]) and called == [1, 1]
+    assert torch.equal(layer(xs[:4]), want[4]) and called == [1]
     with torch.no_grad():  # the weight changed in place: bound to it again
         layer.weight.mul_(-1)
     if quantized:  # its forms are the plan's, made again for the new weight
         use(impl)
     out = layer(xs[:4])
-    assert called == [1, 1]
+    assert called == [1]
     assert torch.equal(out, general_path(xs[:4])) and not torch.equal(out, want[4])
 
     new_bias = (torch.randn(n, generator=g) * 0.1).to(dtype)  # another bias tensor: bound to it
     layer.bias = new_bias if quantized else torch.nn.Parameter(new_bias, requires_grad=False)
     before, out = out, layer(xs[:4])
-    assert called == [1, 1]
+    assert called == [1]
     assert torch.equal(out, general_path(xs[:4])) and not torch.equal(out, before)
     with pytest.raises(RuntimeError):  # rows of another K: the general path's error
         layer(torch.randn(2, k + 1).to(dtype))
+    assert called == [1, 1]
+
+
+def test_a_derived_form_is_made_again_for_a_parameters_new_data():
+    """Module.to swaps a parameter's data (the same object, the same version): a form kept
+    with the weight (_derived: the packed copies) is made again from the new values."""
+    w = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
+    first = kernels._derived(w, "test", lambda: w.detach().clone())
+    assert kernels._derived(w, "test", lambda: None) is first
+    version = w._version
+    w.data = torch.randn(4, 4)
+    assert w._version == version
+    again = kernels._derived(w, "test", lambda: w.detach().clone())
+    assert torch.equal(again, w.detach()) and not torch.equal(again, first)

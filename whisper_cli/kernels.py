@@ -477,18 +477,19 @@ def _packed(weight: Tensor) -> Tensor:
 
 
 # Forms of a weight made once and dropped with it: (id(weight), kind) -> (a weak reference
-# to it, its version, the form).
-_DERIVED: dict[tuple[int, str], tuple[weakref.ref, int, object]] = {}
+# to it, its storage and version, the form).
+_DERIVED: dict[tuple[int, str], tuple[weakref.ref, tuple[int, int], object]] = {}
 
 
 def _derived(weight: Tensor, kind: str, make: Callable[[], object]):
-    """`make()`'s form of `weight`, made once per weight and version, dropped with it."""
-    key = (id(weight), kind)
+    """`make()`'s form of `weight`, made once per weight, storage (a parameter's `.data`
+    swapped, as Module.to does) and version, dropped with it."""
+    key, held = (id(weight), kind), (weight.data_ptr(), _version(weight))
     entry = _DERIVED.get(key)
-    if entry is None or entry[0]() is not weight or entry[1] != _version(weight):
+    if entry is None or entry[0]() is not weight or entry[1] != held:
         form = make()
         ref = weakref.ref(weight, lambda _: _DERIVED.pop(key, None))
-        entry = _DERIVED[key] = (ref, _version(weight), form)
+        entry = _DERIVED[key] = (ref, held, form)
     return entry[2]
 
 
@@ -581,7 +582,13 @@ def _columns_take(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     its dtypes, of the weight's sizes."""
     n, k = weight.shape
     takes = _native_rows(x) and x.device.type == "cpu" and x.shape[-1] == k
-    return takes and (bias is None or (bias.dtype == x.dtype and bias.shape == (n,)))
+    return takes and _columns_bias(bias, x.dtype, n)
+
+
+def _columns_bias(bias: Tensor | None, dtype: torch.dtype, n: int) -> bool:
+    """Whether the C loops read `bias` for rows of `dtype` and N outputs: none, or (n,) in
+    that dtype."""
+    return bias is None or (bias.dtype == dtype and bias.shape == (n,))
 
 
 def _columns_product(lib, product: str, x, packed, n, scale, bias, out=None) -> Tensor:
@@ -626,8 +633,8 @@ def _c_rows_out(x: Tensor, m: int, n: int, out: Tensor | None, run) -> Tensor:
 class BoundProduct:
     """One layer's csrc/matmul.c product ("columns", int8 "widened") with everything but
     its rows bound once: the library's function for the run dtype, the packed weight, its
-    scales and bias, and their addresses. The same C call on the same arguments as the
-    general path (_columns_product): the same bytes.
+    scales and bias, and their addresses. The C loop does the same per-row arithmetic as
+    on the general path (_columns_product), so the same bytes come out.
 
     Why: a decode step makes some 30 of these calls (tiny.en), most right after a
     cross-attention has streamed tens of MB through the CPU's caches, and there the general
@@ -635,43 +642,56 @@ class BoundProduct:
     int8 layer at 13 rows, after a 64 MB read, took 89 us a call against 36 for the bare C
     call (41 and 26 warm; AMD EPYC Zen 4 held to AVX2, 2 threads)."""
 
-    __slots__ = ("_args", "_fn", "_k", "_kept", "_n", "_widen")
+    __slots__ = ("_args", "_fn", "_k", "_kept", "_most", "_n", "_widen")
 
-    def __init__(self, fn, dtype: torch.dtype, packed: Tensor, n: int, scale, bias) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., None],
+        dtype: torch.dtype,
+        packed: Tensor,
+        n: int,
+        scale: Tensor | None,
+        bias: Tensor | None,
+        most_rows: int | None = None,
+    ) -> None:
+        """fn: the library's function for `dtype` rows; most_rows: the most rows a call
+        runs bound (more: the general path, which tiles them; None: any)."""
         k = packed.shape[1]
-        self._fn, self._k, self._n = fn, k, n
+        self._fn, self._k, self._n, self._most = fn, k, n, most_rows
         self._widen = dtype != torch.float32  # the C loop reads float32 rows
         self._kept = (packed, scale, bias)  # the addresses below stay theirs
         ptr = [None if t is None else t.data_ptr() for t in (scale, bias)]
         self._args = (packed.data_ptr(), n, *ptr)
 
     def __call__(self, x: Tensor) -> Tensor | None:
-        """x (..., K) -> (..., N) in x's dtype; None where the C loop would not read x as
-        it is (not contiguous, not on the CPU, another K): the caller then runs the
-        general path."""
+        """x (..., K) -> (..., N) in x's dtype; None where the general path would do
+        otherwise (x not contiguous, not on the CPU or of another K, as _columns_take
+        checks; more rows than most_rows): the caller then runs it."""
         k, n = self._k, self._n
         if not (x.is_contiguous() and x.is_cpu and x.shape[-1] == k):
+            return None
+        m = x.numel() // k
+        if self._most is not None and m > self._most:
             return None
         rows = x.float() if self._widen else x
         out = x.new_empty((*x.shape[:-1], n))
         profiled = torch._C._autograd._profiler_enabled()
         with torch.profiler.record_function(f"{MATMUL_RANGE}{n}") if profiled else _NO_RANGE:
             self._fn(
-                rows.data_ptr(), x.numel() // k, k, k, *self._args, out.data_ptr(), n,
-                torch.get_num_threads(),
-            )  # fmt: skip
+                rows.data_ptr(), m, k, k, *self._args, out.data_ptr(), n, torch.get_num_threads()
+            )
         return out
 
 
 def bound_linear(
-    plan: KernelPlan | None, dtype: torch.dtype, weight: Tensor, bias: Tensor | None, rows: str
+    plan: KernelPlan, dtype: torch.dtype, weight: Tensor, bias: Tensor | None, rows: str
 ) -> BoundProduct | None:
     """The bound "columns" product of a float layer (see linear) with `dtype` rows, where
     its plan chooses it and the C loop takes the layer as it is; else None."""
     lib = _native()
-    if plan is None or lib is None or not _bindable(weight, bias, dtype):
+    if lib is None or weight.dtype != dtype or not _bindable(weight, bias, dtype):
         return None
-    if plan.choice("linear", dtype, *weight.shape, rows) != "columns" or weight.dtype != dtype:
+    if plan.choice("linear", dtype, *weight.shape, rows) != "columns":
         return None
     packed = _derived(weight, "columns", lambda: _columns_form(weight))
     fn = getattr(lib, f"{native.FLOAT_MATMUL}_{dtype_name(dtype)}")
@@ -679,7 +699,7 @@ def bound_linear(
 
 
 def bound_int8_linear(
-    plan: KernelPlan | None,
+    plan: KernelPlan,
     dtype: torch.dtype,
     weight: Tensor,
     bias: Tensor | None,
@@ -688,9 +708,9 @@ def bound_int8_linear(
 ) -> BoundProduct | None:
     """The bound "widened" product of an int8 layer (see int8_linear) with `dtype` rows, on
     the form in `forms`, where its plan chooses it and the C loop takes the layer as it
-    is; else None."""
+    is; else None. Calls of more than INT8_TILE_ROWS rows keep the general path's tiles."""
     lib = _native()
-    if plan is None or lib is None or not _bindable(weight, bias, dtype):
+    if lib is None or not _bindable(weight, bias, dtype):
         return None
     choice = plan.choice("int8-linear", dtype, *weight.shape, rows)
     form = forms.get(choice)
@@ -698,21 +718,22 @@ def bound_int8_linear(
         return None
     packed, scales = form
     fn = getattr(lib, f"{native.INT8_MATMUL}_{dtype_name(dtype)}")
-    return BoundProduct(fn, dtype, packed, weight.shape[0], scales, bias)
+    return BoundProduct(fn, dtype, packed, weight.shape[0], scales, bias, INT8_TILE_ROWS)
 
 
 def _bindable(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> bool:
-    """Whether csrc/matmul.c's loops take rows of `dtype` and the bias as they are (see
-    _columns_take)."""
+    """Whether csrc/matmul.c's loops take a layer of this weight and bias, with rows of
+    `dtype`, as it is: the layer's part of _columns_take, and a bias read in place."""
     takes = dtype in _NATIVE_DTYPES and weight.device.type == "cpu"
-    return takes and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
+    takes &= _columns_bias(bias, dtype, weight.shape[0])
+    return takes and (bias is None or bias.is_contiguous())
 
 
 class Binding:
     """A layer's BoundProduct (or None), made at its first call and again whenever its plan,
-    its rows' dtype, its forms (quantize.prepare_forms), its weight's storage or version
-    (as _derived remakes a form) or its bias's storage change: checked by identity and a
-    few reads a call."""
+    its rows' dtype, its forms (quantize.prepare_forms), its weight (another tensor, or
+    this one changed in place: as _derived remakes a form) or its bias tensor change:
+    checked by identity and a few reads a call."""
 
     __slots__ = ("_key", "_product")
 
@@ -722,20 +743,19 @@ class Binding:
 
     def get(
         self,
-        plan: KernelPlan | None,
+        plan: KernelPlan,
         dtype: torch.dtype,
-        forms: object,
+        forms: dict[str, object] | None,
         weight: Tensor,
         bias: Tensor | None,
         make: Callable[[], BoundProduct | None],
     ) -> BoundProduct | None:
-        held = (weight.data_ptr(), _version(weight), None if bias is None else bias.data_ptr())
         key = self._key
-        if key is None or key[0] is not plan or key[1] is not dtype or key[2] is not forms:
-            key = None
-        if key is None or key[3] != held:
+        fresh = key is not None and key[0] is plan and key[1] is dtype and key[2] is forms
+        fresh = fresh and key[3] is weight and key[4] is bias
+        if not fresh or key[5] != (weight.data_ptr(), _version(weight)):
             self._product = make()
-            self._key = (plan, dtype, forms, held)
+            self._key = (plan, dtype, forms, weight, bias, (weight.data_ptr(), _version(weight)))
         return self._product
 
 

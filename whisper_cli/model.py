@@ -225,15 +225,21 @@ class Linear(FromCheckpoint, nn.Linear):
         self.binding = kernels.Binding()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b, plan = self.weight, self.bias, self.plan
-        if not torch.compiler.is_compiling():
-            # The plan's C product where it chose one, bound once (kernels.BoundProduct).
-            bind = lambda: kernels.bound_linear(plan, x.dtype, w, b, self.rows)  # noqa: E731
-            product = self.binding.get(plan, x.dtype, None, w, b, bind)
-            out = None if product is None else product(x)
-            if out is not None:
-                return out
-        return kernels.linear(x, w, b, plan, self.rows)
+        product = self._product(x.dtype)
+        out = None if product is None else product(x)
+        if out is not None:
+            return out
+        return kernels.linear(x, self.weight, self.bias, self.plan, self.rows)
+
+    def _product(self, dtype: torch.dtype) -> kernels.BoundProduct | None:
+        """The plan's C product for rows of `dtype`, bound (kernels.Binding); None without a
+        plan, while torch.compile traces (one graph, no Python-side choice), or where the
+        plan chose another implementation."""
+        plan, w, b = self.plan, self.weight, self.bias
+        if plan is None or torch.compiler.is_compiling():
+            return None
+        make = lambda: kernels.bound_linear(plan, dtype, w, b, self.rows)  # noqa: E731
+        return self.binding.get(plan, dtype, None, w, b, make)
 
 
 class Conv1d(FromCheckpoint, nn.Conv1d):
@@ -589,6 +595,8 @@ class Whisper(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(type(module), "plan"):
                 module.plan = plan
+            if isinstance(getattr(module, "binding", None), kernels.Binding):
+                module.binding = kernels.Binding()  # the last plan's forms not kept alive
 
     def kernel_calls(self, reach: Reach) -> Iterator[kernels.KernelCall]:
         """The kernel calls of a run's forward passes (see Reach): at least one per shape

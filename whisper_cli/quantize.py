@@ -62,15 +62,21 @@ class Int8Linear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b, plan, forms = self.weight, self.bias, self.plan, self.forms
-        if not torch.compiler.is_compiling():
-            # The plan's C product where it chose one, bound once (kernels.BoundProduct).
-            bind = lambda: kernels.bound_int8_linear(plan, x.dtype, w, b, forms, self.rows)  # noqa: E731
-            product = self.binding.get(plan, x.dtype, forms, w, b, bind)
-            out = None if product is None else product(x)
-            if out is not None:
-                return out
-        return kernels.int8_linear(x, w, self.weight_scale, b, plan, forms, self.rows)
+        product = self._product(x.dtype)
+        out = None if product is None else product(x)
+        if out is not None:
+            return out
+        w, scale = self.weight, self.weight_scale
+        return kernels.int8_linear(x, w, scale, self.bias, self.plan, self.forms, self.rows)
+
+    def _product(self, dtype: torch.dtype) -> kernels.BoundProduct | None:
+        """The plan's C product for rows of `dtype` on its form, bound (see
+        model.Linear._product)."""
+        plan, w, b, forms = self.plan, self.weight, self.bias, self.forms
+        if plan is None or torch.compiler.is_compiling():
+            return None
+        make = lambda: kernels.bound_int8_linear(plan, dtype, w, b, forms, self.rows)  # noqa: E731
+        return self.binding.get(plan, dtype, forms, w, b, make)
 
 
 def int8_linear(
@@ -116,6 +122,7 @@ def prepare_forms(
     for layer in model.modules():
         if isinstance(layer, Int8Linear):
             layer.forms = {}
+            layer.binding = kernels.Binding()  # the earlier forms not kept alive
             for name in sorted(chosen.get(id(layer.weight), ())):
                 form = kernels.int8_form(name, layer.weight, layer.weight_scale)
                 if form is not None:
