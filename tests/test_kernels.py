@@ -2134,7 +2134,7 @@ def test_a_layer_runs_its_bound_product_and_gets_the_general_paths_bytes(
     assert called == [1]
     tall = torch.randn(kernels.INT8_TILE_ROWS + 1, k, generator=g).to(dtype)
     assert torch.equal(layer(tall), general_path(tall))
-    assert called == [1, 1] if quantized else called == [1]
+    assert called == ([1, 1] if quantized else [1])  # int8: tiled by the general path
     called.clear()
 
     use("reference")  # a new plan, choosing the reference: nothing bound
@@ -2143,9 +2143,9 @@ def test_a_layer_runs_its_bound_product_and_gets_the_general_paths_bytes(
 
     use(impl)
     assert torch.equal(layer(xs[:4]), want[4]) and called == [1]
-    with torch.no_grad():  # the weight changed in place: bound to it again
+    with torch.no_grad():  # the weight changed in place: bound to it again (its version)
         layer.weight.mul_(-1)
-    if quantized:  # its forms are the plan's, made again for the new weight
+    if quantized:  # its forms are the plan's: made again with a new plan, which rebinds
         use(impl)
     out = layer(xs[:4])
     assert called == [1]
