@@ -5,7 +5,7 @@ implementation runs each call.
 Every op has a reference implementation, torch's own (SDPA, `hidden @ weight.T`,
 F.linear, F.conv1d; for int8 weights, the dequantizing linear), and on the CPU a few
 others. Which one is fastest depends on the CPU, the dtype and the shape, by factors up to
-tens (README, Speed), so it is measured on the machine, never assumed.
+tens (docs/speed.md), so it is measured on the machine, never assumed.
 
 Invariants:
 * Every implementation is as exact as the reference or closer, against a float64
@@ -83,7 +83,7 @@ Logits = Callable[[Tensor, Tensor], Tensor]
 # head) pairs may hold in f32 scores, and in f32 copies of f16/bf16 keys and values: the
 # scores of a tile stay in cache, and an upcast tile stays under glibc's mmap threshold
 # (a whole f32 copy of a decode cache is past it, so page-faulted in on every call).
-# The sizes are the fastest measured (README, Speed).
+# The sizes are the fastest measured (docs/speed.md).
 BLOCK_ROWS = 256
 SCORE_TILE_BYTES = 2 << 20
 UPCAST_TILE_BYTES = 16 << 20
@@ -136,7 +136,7 @@ CHECK_OUTPUTS = 1 << 19
 # the weight cached, the plan took "weight-first" for tiny.en f32 on a 2-core Xeon with
 # AMX (family 6 model 207, 300 MiB L3: 3.49 against packed's 4.19 ms), where packed made
 # the run faster (10 min, whole process, alternating, the same text: 8.40 / 8.00 -> 7.52 /
-# 7.41 s; README, Speed).
+# 7.41 s; docs/speed.md).
 # Before each of its calls the timing reads COLD_CACHE_FACTOR times the CPU's largest
 # cache: at least COLD_MIN_BYTES (also where sysfs gives no size), at most COLD_MAX_BYTES.
 COLD_CACHE_FACTOR = 1.25
@@ -377,7 +377,7 @@ ATTENTION: dict[str, Attention] = {
     # torch's fused kernel: the reference, and the fastest for f32 where measured.
     "sdpa": _sdpa,
     # Two GEMMs and a softmax in f32: for CPUs where SDPA's f16/bf16 path is slow (decode
-    # self-attention without native bf16, README, Speed).
+    # self-attention without native bf16, docs/speed.md).
     "matmul": _matmul,
     # The same in cache-sized tiles: the encoder's long queries without the full score
     # tensor, and the bf16 decode caches upcast a tile at a time instead of whole.
@@ -535,7 +535,7 @@ def _linear_f32(x, weight, bias, f32: tuple[Tensor, Tensor | None] | None = None
     """x W^T + b in float32 from f16/bf16 inputs, the result rounded once: what a half GEMM
     accumulating in f32 computes (products of bf16 or f16 values are exact in f32), at f32
     GEMM speed on CPUs without native half GEMMs (where torch's bf16 path is several times
-    slower, README, Speed). The weight and bias in float32 are the kept copies
+    slower, docs/speed.md). The weight and bias in float32 are the kept copies
     (_f32_copies), so no call converts them; `f32`: copies of the caller's (timing makes
     its own, so that the run keeps none it did not choose)."""
     w, b = _f32_copies(weight, bias) if f32 is None else f32

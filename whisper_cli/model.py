@@ -37,7 +37,7 @@ def window_parts(windows: int, device: torch.device) -> list[slice]:
     with a call's rows. On CPU it costs no time (a window's 1500 rows are past the rows
     where a GEMM's per-row cost flattens) and only one window's activations are live:
     10 min of speech took as long as with one call a batch, at a peak 200-500 MiB lower
-    (README, Speed). On CUDA one call over the batch keeps the GPU busy (whether its
+    (docs/speed.md). On CUDA one call over the batch keeps the GPU busy (whether its
     kernels round a window by its batch: scripts/gpu_check.py's parity stage reports it)."""
     if device.type == "cpu":
         return [slice(w, w + 1) for w in range(windows)]
@@ -355,7 +355,7 @@ class Attention(nn.Module):
         against 22.5-28.1. Base is bound by the arithmetic (80-120 GFLOP/s with the output
         in cache, SGEMM 230-280 here), and an AVX2 CPU has half the lanes. Not used: a gain
         for the smallest model alone does not pay for a second kind of cross cache through
-        the engine's row drops, refills and alignment pass. (README, Speed: an earlier
+        the engine's row drops, refills and alignment pass. (docs/speed.md: an earlier
         attempt, with other shapes.)
         """
         b, s, c = audio.shape

@@ -357,7 +357,7 @@ class TranscribeOptions:
     # until its last row ends. The same text either way. None: where the step is compiled
     # (a step costs the same at 1 row as at 16 there); the eager CPU step drops finished
     # rows instead, and refills cost it the waiting windows' encoder outputs held for no
-    # time saved (README, Speed). Off under a latency bound (a window waits for its run).
+    # time saved (docs/speed.md). Off under a latency bound (a window waits for its run).
     refill: bool | None = None
     # The speech map decides which audio is decoded (windows), and is evidence for text
     # over non-speech. Off: every window of the input is decoded, as plain Whisper does,
