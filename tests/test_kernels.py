@@ -1998,7 +1998,7 @@ def test_f32_upcast_keeps_one_copy_per_weight_and_equals_the_per_call_upcast(dty
     del weight, copy
     assert (key, "f32") not in kernels._DERIVED
     other = torch.randn(48, 32).to(dtype)
-    for fn in kernels._linear_fns(("linear", "f32-upcast"), other).values():
+    for fn in kernels._linear_fns(("linear", "f32-upcast"), dtype, other).values():
         fn(torch.randn(8, 32).to(dtype))
     for run in kernels._conv1d_runs(("conv", "f32-upcast"), 64, conv, 2, 1).values():
         run()
@@ -2159,6 +2159,58 @@ def test_a_layer_runs_its_bound_product_and_gets_the_general_paths_bytes(
     with pytest.raises(RuntimeError):  # rows of another K: the general path's error
         layer(torch.randn(2, k + 1).to(dtype))
     assert called == [1, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("quantized", [False, True], ids=["columns", "int8-widened"])
+def test_the_plan_times_a_c_column_product_bound_as_a_layer_runs_it(dtype, quantized, monkeypatch):
+    """The timing's "columns" (int8 "widened") candidate is the bound product a layer
+    runs once its plan chooses it (kernels.BoundProduct), not the general path's Python
+    around the same C call: the bound call, with the general path's bytes, for the rows
+    it takes; the general path for rows it does not (not contiguous; int8, more than
+    INT8_TILE_ROWS). The other candidates are timed as they were."""
+    from whisper_cli.dtypes import int8_weight
+
+    native_built()
+    n, k = 83, 37
+    g = torch.Generator().manual_seed(5)
+    weight = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    if quantized:
+        weight, _ = int8_weight(weight.float())
+        unit = torch.full((n,), 1 / 127)  # the timing's scales
+        form = kernels.int8_form("widened", weight, unit)
+        fns = kernels._int8_fns(("dequant", "widened"), dtype, weight)
+        impl, other = "widened", "dequant"
+
+        def general(x):
+            return kernels.INT8_LINEAR["widened"](x, weight, unit, None, form)
+    else:
+        fns = kernels._linear_fns(("linear", "columns"), dtype, weight)
+        impl, other = "columns", "linear"
+
+        def general(x):
+            return kernels._linear_columns(x, weight, None)
+
+    bound, taken = [], []
+    real = kernels.BoundProduct.__call__
+
+    def counted(self, x):
+        out = real(self, x)
+        bound.append(1)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(kernels.BoundProduct, "__call__", counted)
+    rows = torch.randn(16, k, generator=g).to(dtype)
+    assert torch.equal(fns[impl](rows), general(rows)) and taken == [True]
+    strided = torch.randn(16, 2 * k, generator=g).to(dtype)[:, ::2]
+    assert torch.equal(fns[impl](strided), general(strided.contiguous()))
+    assert taken == [True, False]
+    tall = torch.randn(kernels.INT8_TILE_ROWS + 1, k, generator=g).to(dtype)
+    assert torch.equal(fns[impl](tall), general(tall))
+    assert taken == [True, False, not quantized]
+    fns[other](rows)
+    assert len(bound) == 3
 
 
 def test_a_derived_form_is_made_again_for_a_parameters_new_data():

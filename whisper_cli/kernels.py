@@ -142,7 +142,7 @@ CHECK_OUTPUTS = 1 << 19
 COLD_CACHE_FACTOR = 1.25
 COLD_MIN_BYTES = 64 << 20
 COLD_MAX_BYTES = 1 << 30
-CACHE_VERSION = 10  # a file of another version is read as empty (its choices timed again)
+CACHE_VERSION = 11  # a file of another version is read as empty (its choices timed again)
 
 
 # --- attention implementations ------------------------------------------------------
@@ -688,14 +688,24 @@ def bound_linear(
 ) -> BoundProduct | None:
     """The bound "columns" product of a float layer (see linear) with `dtype` rows, where
     its plan chooses it and the C loop takes the layer as it is; else None."""
+    if plan.choice("linear", dtype, *weight.shape, rows) != "columns":
+        return None
+    return _bind_columns(
+        dtype, weight, bias, lambda: _derived(weight, "columns", lambda: _columns_form(weight))
+    )
+
+
+def _bind_columns(
+    dtype: torch.dtype, weight: Tensor, bias: Tensor | None, packed: Callable[[], Tensor]
+) -> BoundProduct | None:
+    """A float layer's "columns" product bound on its packed form (`packed()`, made only
+    where it binds), where the library is built and the C loop takes the layer as it is;
+    else None."""
     lib = _native()
     if lib is None or weight.dtype != dtype or not _bindable(weight, bias, dtype):
         return None
-    if plan.choice("linear", dtype, *weight.shape, rows) != "columns":
-        return None
-    packed = _derived(weight, "columns", lambda: _columns_form(weight))
     fn = getattr(lib, f"{native.FLOAT_MATMUL}_{dtype_name(dtype)}")
-    return BoundProduct(fn, dtype, packed, weight.shape[0], None, bias)
+    return BoundProduct(fn, dtype, packed(), weight.shape[0], None, bias)
 
 
 def bound_int8_linear(
@@ -709,16 +719,38 @@ def bound_int8_linear(
     """The bound "widened" product of an int8 layer (see int8_linear) with `dtype` rows, on
     the form in `forms`, where its plan chooses it and the C loop takes the layer as it
     is; else None. Calls of more than INT8_TILE_ROWS rows keep the general path's tiles."""
-    lib = _native()
-    if lib is None or not _bindable(weight, bias, dtype):
-        return None
     choice = plan.choice("int8-linear", dtype, *weight.shape, rows)
-    form = forms.get(choice)
-    if choice != "widened" or form is None:
+    if choice != "widened":
+        return None
+    return _bind_widened(dtype, weight, bias, forms.get(choice))
+
+
+def _bind_widened(
+    dtype: torch.dtype, weight: Tensor, bias: Tensor | None, form: tuple[Tensor, Tensor] | None
+) -> BoundProduct | None:
+    """An int8 layer's "widened" product bound on its form (_widened_prepare's), where
+    there is one and the C loop takes the layer as it is; else None."""
+    lib = _native()
+    if lib is None or form is None or not _bindable(weight, bias, dtype):
         return None
     packed, scales = form
     fn = getattr(lib, f"{native.INT8_MATMUL}_{dtype_name(dtype)}")
     return BoundProduct(fn, dtype, packed, weight.shape[0], scales, bias, INT8_TILE_ROWS)
+
+
+def _bound_first(
+    bound: BoundProduct | None, general: Callable[[Tensor], Tensor]
+) -> Callable[[Tensor], Tensor]:
+    """A C product as a layer runs it (model.Linear, quantize.Int8Linear): bound, the
+    general path where the bound one does not take the call."""
+    if bound is None:
+        return general
+
+    def run(x: Tensor) -> Tensor:
+        out = bound(x)
+        return general(x) if out is None else out
+
+    return run
 
 
 def _bindable(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> bool:
@@ -1456,8 +1488,12 @@ OPS: dict[str, _Op] = {
     "logits": _Op(
         _logits_shape, fns=lambda cands, dtype, weight: _logits_fns(cands, weight), cold=True
     ),
-    "linear": _Op(_linear_shape, fns=lambda cands, dtype, weight: _linear_fns(cands, weight)),
-    "int8-linear": _Op(_int8_shape, fns=lambda cands, dtype, weight: _int8_fns(cands, weight)),
+    "linear": _Op(
+        _linear_shape, fns=lambda cands, dtype, weight: _linear_fns(cands, dtype, weight)
+    ),
+    "int8-linear": _Op(
+        _int8_shape, fns=lambda cands, dtype, weight: _int8_fns(cands, dtype, weight)
+    ),
     "conv1d": _Op(
         _conv1d_shape,
         lambda cls, dtype, weight, device: _conv1d_runs(
@@ -1952,9 +1988,11 @@ def _logits_fns(cands, weight: Tensor) -> RowFns:
     return fns
 
 
-def _linear_fns(cands, weight: Tensor) -> RowFns:
+def _linear_fns(cands, dtype: torch.dtype, weight: Tensor) -> RowFns:
     """Each candidate on the real weight, no bias (its add costs alike); the copies a
-    candidate keeps are its own, freed with the timing."""
+    candidate keeps are its own, freed with the timing. "columns" is timed as a layer
+    runs it, bound (_bound_first): in a decode step the general path's Python around the
+    C call costs about what the call does (see BoundProduct)."""
     fns = {n: (lambda x, f=LINEAR[n]: f(x, weight, None)) for n in cands}
     if "f32-upcast" in fns:
         f32 = (weight.float(), None)
@@ -1967,18 +2005,23 @@ def _linear_fns(cands, weight: Tensor) -> RowFns:
         fns["f32-packed"] = lambda x: _linear_f32_packed(x, weight, None, f32_packed)
     if "columns" in fns:
         columns = _columns_form(weight)
-        fns["columns"] = lambda x: _linear_columns(x, weight, None, columns)
+        general = lambda x: _linear_columns(x, weight, None, columns)  # noqa: E731
+        fns["columns"] = _bound_first(_bind_columns(dtype, weight, None, lambda: columns), general)
     return fns
 
 
-def _int8_fns(cands, weight: Tensor) -> RowFns:
+def _int8_fns(cands, dtype: torch.dtype, weight: Tensor) -> RowFns:
     """Each candidate on the real int8 weight, unit scales, no bias; each prepares its own
-    form of the weight, freed with the timing."""
+    form of the weight, freed with the timing. "widened" is timed as a layer runs it,
+    bound (see _linear_fns)."""
     scale = torch.full((weight.shape[0],), 1 / 127, device=weight.device)
 
     def fn(name: str) -> Callable[[Tensor], Tensor]:
         prepared = int8_form(name, weight, scale)
-        return lambda x: INT8_LINEAR[name](x, weight, scale, None, prepared)
+        general = lambda x: INT8_LINEAR[name](x, weight, scale, None, prepared)  # noqa: E731
+        if name != "widened":
+            return general
+        return _bound_first(_bind_widened(dtype, weight, None, prepared), general)
 
     return {n: fn(n) for n in cands}
 
