@@ -2168,7 +2168,8 @@ def test_the_plan_times_a_c_column_product_bound_as_a_layer_runs_it(dtype, quant
     runs once its plan chooses it (kernels.BoundProduct), not the general path's Python
     around the same C call: the bound call, with the general path's bytes, for the rows
     it takes; the general path for rows it does not (not contiguous; int8, more than
-    INT8_TILE_ROWS). The other candidates are timed as they were."""
+    INT8_TILE_ROWS). The other candidate runs its own kernel, unbound. (The functions
+    as kernels.OPS gives them to the timing.)"""
     from whisper_cli.dtypes import int8_weight
 
     native_built()
@@ -2179,14 +2180,16 @@ def test_the_plan_times_a_c_column_product_bound_as_a_layer_runs_it(dtype, quant
         weight, _ = int8_weight(weight.float())
         unit = torch.full((n,), 1 / 127)  # the timing's scales
         form = kernels.int8_form("widened", weight, unit)
-        fns = kernels._int8_fns(("dequant", "widened"), dtype, weight)
+        fns = kernels.OPS["int8-linear"].fns(("dequant", "widened"), dtype, weight)
         impl, other = "widened", "dequant"
+        reference = kernels._int8_dequant(torch.ones(2, k).to(dtype), weight, unit, None)
 
         def general(x):
             return kernels.INT8_LINEAR["widened"](x, weight, unit, None, form)
     else:
-        fns = kernels._linear_fns(("linear", "columns"), dtype, weight)
+        fns = kernels.OPS["linear"].fns(("linear", "columns"), dtype, weight)
         impl, other = "columns", "linear"
+        reference = F.linear(torch.ones(2, k).to(dtype), weight)
 
         def general(x):
             return kernels._linear_columns(x, weight, None)
@@ -2209,8 +2212,7 @@ def test_the_plan_times_a_c_column_product_bound_as_a_layer_runs_it(dtype, quant
     tall = torch.randn(kernels.INT8_TILE_ROWS + 1, k, generator=g).to(dtype)
     assert torch.equal(fns[impl](tall), general(tall))
     assert taken == [True, False, not quantized]
-    fns[other](rows)
-    assert len(bound) == 3
+    assert torch.equal(fns[other](torch.ones(2, k).to(dtype)), reference) and len(bound) == 3
 
 
 def test_a_derived_form_is_made_again_for_a_parameters_new_data():

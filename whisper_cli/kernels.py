@@ -729,7 +729,8 @@ def _bind_widened(
     dtype: torch.dtype, weight: Tensor, bias: Tensor | None, form: tuple[Tensor, Tensor] | None
 ) -> BoundProduct | None:
     """An int8 layer's "widened" product bound on its form (_widened_prepare's), where
-    there is one and the C loop takes the layer as it is; else None."""
+    the library is built, there is a form and the C loop takes the layer as it is; else
+    None."""
     lib = _native()
     if lib is None or form is None or not _bindable(weight, bias, dtype):
         return None
@@ -741,8 +742,8 @@ def _bind_widened(
 def _bound_first(
     bound: BoundProduct | None, general: Callable[[Tensor], Tensor]
 ) -> Callable[[Tensor], Tensor]:
-    """A C product as a layer runs it (model.Linear, quantize.Int8Linear): bound, the
-    general path where the bound one does not take the call."""
+    """A C product as bound (the product model.Linear and quantize.Int8Linear call once
+    their plan chooses it), the general path where the bound one does not take the call."""
     if bound is None:
         return general
 
@@ -1990,9 +1991,9 @@ def _logits_fns(cands, weight: Tensor) -> RowFns:
 
 def _linear_fns(cands, dtype: torch.dtype, weight: Tensor) -> RowFns:
     """Each candidate on the real weight, no bias (its add costs alike); the copies a
-    candidate keeps are its own, freed with the timing. "columns" is timed as a layer
-    runs it, bound (_bound_first): in a decode step the general path's Python around the
-    C call costs about what the call does (see BoundProduct)."""
+    candidate keeps are its own, freed with the timing. "columns" is timed as bound
+    (_bound_first), as a layer calls it once chosen: at a decode step's rows the general
+    path's Python around the C call costs about what the call does (see BoundProduct)."""
     fns = {n: (lambda x, f=LINEAR[n]: f(x, weight, None)) for n in cands}
     if "f32-upcast" in fns:
         f32 = (weight.float(), None)
@@ -2012,8 +2013,8 @@ def _linear_fns(cands, dtype: torch.dtype, weight: Tensor) -> RowFns:
 
 def _int8_fns(cands, dtype: torch.dtype, weight: Tensor) -> RowFns:
     """Each candidate on the real int8 weight, unit scales, no bias; each prepares its own
-    form of the weight, freed with the timing. "widened" is timed as a layer runs it,
-    bound (see _linear_fns)."""
+    form of the weight, freed with the timing. "widened" is timed as bound (see
+    _linear_fns)."""
     scale = torch.full((weight.shape[0],), 1 / 127, device=weight.device)
 
     def fn(name: str) -> Callable[[Tensor], Tensor]:
